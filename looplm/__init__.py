@@ -1,0 +1,19 @@
+"""looplm: build, train, evaluate and serve looped (recurrent-depth) language models.
+
+The public API:
+    recipe = looplm.load_recipe("quickstart", overrides={"model.d_model": 64})
+    model = looplm.build_model(recipe)
+    out = model(idx, rounds=4)          # LoopOutput; out.logits is (B, T, V)
+    looplm.unroll(step, state, rounds, backward_window=None, readout_rounds=None)
+    run = looplm.load_run("runs/x")     # .model, .tokenizer, .recipe, .report
+"""
+
+from .checkpoint import Run, load_run
+from .config import Recipe, load_recipe
+from .engine import Unrolled, unroll
+from .errors import UserError
+from .model import LoopedLM, LoopOutput, build_model
+
+__all__ = ["Recipe", "Run", "LoopOutput", "LoopedLM", "Unrolled", "UserError", "build_model", "load_recipe",
+           "load_run", "unroll"]
+__version__ = "0.1.0"

@@ -1,0 +1,334 @@
+"""The looped language model: prelude -> shared core x R rounds -> coda -> LM head.
+
+    e = prelude(embed(tokens))                 # untied blocks, run once
+    s = initial_state(e)                       # zeros | e | N(0, std^2)   (Huginn)
+    repeat R rounds (looplm.unroll):
+        s = core(inject(s, e))                 # the same K blocks every round
+    logits = head(norm(coda(s)))               # untied blocks, run once per readout
+
+The recurrence itself lives in `engine.unroll`; this file holds the blocks and says what a
+step is. Attention uses RoPE, grouped-query heads with a head width of its own, and
+PyTorch SDPA. The forward pass returns one `LoopOutput`, which later features extend
+rather than widening a tuple.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .engine import unroll
+
+
+@dataclass
+class LoopOutput:
+    """Everything one forward pass produced."""
+
+    logits: Tensor
+    """(B, T, V) readout after the last round that ran."""
+    rounds: int
+    """Rounds computed."""
+    round_logits: dict[int, Tensor] = field(default_factory=dict)
+    """round -> (B, T, V) readouts at the requested rounds (loss placement, logit lens)."""
+    grad_rounds: tuple[int, ...] = ()
+    """Rounds whose computation received gradient (backward window)."""
+    state: Tensor | None = None
+    """(B, T, d) loop state after the last round."""
+    hazards: Tensor | None = None
+    """(B, T, R) exit-gate hazards per round, when the model has a gate."""
+    rounds_used: Tensor | None = None
+    """(B, T) rounds each position actually ran (early exit)."""
+    cache: Any = None
+    """The key/value cache passed in, after this call's updates."""
+    stats: dict[str, list[float]] = field(default_factory=dict)
+    """Per-round diagnostics when asked for: state_rms, update_rms."""
+    round_states: list[Tensor] = field(default_factory=list)
+    """States after each round (kept when collect_stats, for gradient diagnostics)."""
+
+
+def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
+    """DeepLoop: alpha = (2N)^p on the skip, beta = (8N)^-p on branch init, N = n_core * rounds."""
+    n = n_core * rounds
+    return (2 * n) ** p, (8 * n) ** (-p)
+
+
+def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)  # (L, Dh/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, H, T, Dh); cos/sin: (T, Dh/2) or (B, 1, T, Dh/2). Rotates pairs (even, odd halves)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.dh).transpose(1, 2)  # (B, H, T, Dh)
+        k = self.k(x).view(B, T, self.n_kv, self.dh).transpose(1, 2)     # (B, Hkv, T, Dh)
+        v = self.v(x).view(B, T, self.n_kv, self.dh).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            # The cache decides which keys/values this slot sees (its policy) and the mask.
+            k, v, mask = cache.update(slot, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """One transformer block; `alpha` scales the skip path (DeepLoop), 1 otherwise."""
+
+    def __init__(self, cfg: ModelConfig, alpha: float = 1.0):
+        super().__init__()
+        self.mode = "deeploop" if cfg.residual_scaling == "deeploop" else cfg.norm
+        self.alpha = alpha
+        self.attn, self.mlp = Attention(cfg), SwiGLU(cfg)
+        self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if self.mode == "sandwich":
+            self.post1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+            self.post2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None) -> Tensor:
+        if self.mode == "deeploop":  # x <- norm(alpha*x + branch(x)), no inner norm
+            x = self.norm1(self.alpha * x + self.attn(x, rope, cache, slot))
+            return self.norm2(self.alpha * x + self.mlp(x))
+        if self.mode == "sandwich":
+            x = x + self.post1(self.attn(self.norm1(x), rope, cache, slot))
+            return x + self.post2(self.mlp(self.norm2(x)))
+        x = x + self.attn(self.norm1(x), rope, cache, slot)
+        return x + self.mlp(self.norm2(x))
+
+
+class LoopedLM(nn.Module):
+    """Prelude -> shared core x rounds -> coda -> head. `rounds` is the nominal depth:
+    it sets DeepLoop's N and the untied baseline's block count."""
+
+    def __init__(self, cfg: ModelConfig, rounds: int, exit_gate: bool = False):
+        super().__init__()
+        self.cfg, self.nominal_rounds = cfg, rounds
+        d = cfg.d_model
+        alpha, beta = (deeploop_scales(cfg.n_core, rounds, cfg.deeploop_p)
+                       if cfg.residual_scaling == "deeploop" else (1.0, 1.0))
+        self.alpha, self.beta = alpha, beta
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        n_core_blocks = cfg.n_core * (rounds if cfg.untied else 1)
+        self.core = nn.ModuleList(Block(cfg, alpha) for _ in range(n_core_blocks))
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.adapter = nn.Linear(2 * d, d, bias=False) if cfg.injection == "concat" else None
+        self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.state_norm else None
+        self.gate = nn.Sequential(nn.RMSNorm(d, eps=cfg.norm_eps), nn.Linear(d, 1)) if exit_gate else None
+        self.final_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights(beta)
+
+    # -- initialisation -------------------------------------------------------------
+    def _init_weights(self, beta: float) -> None:
+        cfg = self.cfg
+        visits = cfg.n_prelude + cfg.n_core * self.nominal_rounds + cfg.n_coda
+        seen: set[int] = set()  # a shared tensor is initialised (and beta-scaled) once
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.dim() < 2:
+                continue  # norms keep weight 1; biases set below
+            std = cfg.init_std
+            if name.endswith(("attn.o.weight", "mlp.down.weight")):
+                std = std / math.sqrt(2 * visits)
+            nn.init.normal_(p, std=std)
+            if beta != 1.0 and name.startswith("core.") and name.endswith(
+                    ("attn.v.weight", "attn.o.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")):
+                with torch.no_grad():
+                    p.mul_(beta)
+        if self.gate is not None:
+            nn.init.zeros_(self.gate[1].weight)
+            nn.init.constant_(self.gate[1].bias, -1.0)  # start with mass spread over rounds
+        if self.adapter is not None:  # start as s + e so the loop begins like additive injection
+            with torch.no_grad():
+                self.adapter.weight.copy_(torch.cat([torch.eye(cfg.d_model)] * 2, dim=1))
+
+    # -- pieces ---------------------------------------------------------------------
+    def rope(self, start: int, T: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if positions is None:
+            return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # (B, 1, T, Dh/2)
+
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        kind = self.cfg.init_state
+        if kind == "zeros":
+            return torch.zeros_like(e)
+        if kind == "prelude":
+            return e
+        noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
+        return noise * self.cfg.init_state_std
+
+    def inject(self, s: Tensor, e: Tensor) -> Tensor:
+        kind = self.cfg.injection
+        if kind == "add":
+            return s + e
+        if kind == "concat":
+            return self.adapter(torch.cat([s, e], dim=-1))
+        return s
+
+    def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None) -> Tensor:
+        """One round: inject the input, run the K core blocks (round r picks its own blocks if untied)."""
+        K = self.cfg.n_core
+        blocks = self.core[(r - 1) * K: r * K] if self.cfg.untied else self.core
+        x = self.inject(s, e)
+        for i, block in enumerate(blocks):
+            x = block(x, rope, cache, ("core", r, i))
+        return self.state_norm(x) if self.state_norm is not None else x
+
+    def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0) -> Tensor:
+        """Coda and LM head applied to a loop state (the logit lens at earlier rounds)."""
+        for i, block in enumerate(self.coda):
+            s = block(s, rope, cache, ("coda", r, i))
+        return self.head(self.final_norm(s))
+
+    def hazard(self, s: Tensor) -> Tensor:
+        return torch.sigmoid(self.gate(s).squeeze(-1))  # (B, T)
+
+    def encode(self, idx: Tensor, rope, cache: Any = None) -> Tensor:
+        x = self.embed(idx)
+        for i, block in enumerate(self.prelude):
+            x = block(x, rope, cache, ("prelude", 0, i))
+        return x
+
+    # -- forward --------------------------------------------------------------------
+    def forward(
+        self,
+        idx: Tensor,
+        rounds: int | None = None,
+        *,
+        backward_window: int | None = None,
+        readout_rounds: tuple[int, ...] | None = None,
+        cache: Any = None,
+        start_pos: int = 0,
+        positions: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        collect_stats: bool = False,
+    ) -> LoopOutput:
+        """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth)."""
+        rounds = self.nominal_rounds if rounds is None else rounds
+        if self.cfg.untied and rounds != self.nominal_rounds:
+            raise ValueError(f"the untied baseline has blocks for exactly {self.nominal_rounds} rounds, asked {rounds}")
+        B, T = idx.shape
+        if start_pos + T > self.cfg.context:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds the model context {self.cfg.context}")
+        rope = self.rope(start_pos, T, positions)
+        e = self.encode(idx, rope, cache)                     # (B, T, d)
+        s0 = self.initial_state(e, generator)
+        hazards: list[Tensor] = []
+        states: list[Tensor] = []
+
+        def step(s: Tensor, r: int) -> Tensor:
+            s = self.core_step(s, e, r, rope, cache)
+            if self.gate is not None:
+                hazards.append(self.hazard(s))
+            if collect_stats:
+                states.append(s)
+            return s
+
+        wanted = set(readout_rounds or ()) | {rounds}
+        # Each readout runs the coda; with a cache only the final readout may write coda slots.
+        run = unroll(step, s0, rounds, backward_window, wanted,
+                     readout=lambda s, r: self.readout(s, rope, cache if r == rounds else None, r))
+        out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
+                         grad_rounds=run.grad_rounds, state=run.state, cache=cache)
+        if hazards:
+            out.hazards = torch.stack(hazards, dim=-1)        # (B, T, R)
+        if collect_stats:
+            out.round_states = states
+            prev = [s0] + states[:-1]
+            with torch.no_grad():
+                out.stats = {
+                    "state_rms": [s.float().pow(2).mean().sqrt().item() for s in states],
+                    "update_rms": [(s - p).float().pow(2).mean().sqrt().item() for s, p in zip(states, prev)],
+                }
+        return out
+
+    # -- accounting -----------------------------------------------------------------
+    def param_groups_by_role(self) -> dict[str, int]:
+        """Stored parameter counts by role, each tensor counted once."""
+        roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
+                 "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "gate": [self.gate],
+                 "state_norm": [self.state_norm], "head": [self.head]}
+        seen: set[int] = set()
+        counts = {}
+        for role, mods in roles.items():
+            n = 0
+            for m in mods:
+                for p in (m.parameters() if m is not None else ()):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        n += p.numel()
+            counts[role] = n
+        return counts
+
+    def params_stored(self) -> int:
+        return sum(self.param_groups_by_role().values())
+
+    def params_per_token_visit(self, rounds: float) -> float:
+        """Parameters applied to one token over a forward pass at (mean) depth `rounds`.
+        Per-round pieces (core, adapter, gate, state norm) count once per round; an untied core
+        runs each of its blocks once."""
+        c = self.param_groups_by_role()
+        per_round = c["adapter"] + c["gate"] + c["state_norm"]
+        core = c["core"] if self.cfg.untied else c["core"] * rounds
+        return c["embed"] + c["prelude"] + core + per_round * rounds + c["coda"] + c["head"]
+
+    def flops_per_token(self, rounds: float, seq_len: int, backward_rounds: float | None = None) -> float:
+        """Training FLOPs per token: 2*matmul params per forward visit, 4*per backward visit, plus attention
+        (QK^T and AV over the causal mean length). Only gradient-visible rounds pay the backward."""
+        cfg = self.cfg
+        c = self.param_groups_by_role()
+        attn_per_block = 2 * 2 * cfg.n_heads * cfg.head_dim * (seq_len / 2)   # QK and AV, fwd
+        block_mm = (c["core"] / (cfg.n_core * (self.nominal_rounds if cfg.untied else 1)))
+        block_fwd = 2 * block_mm + attn_per_block
+        per_round_fwd = cfg.n_core * block_fwd + 2 * (c["adapter"] + c["gate"])
+        fixed_fwd = (cfg.n_prelude + cfg.n_coda) * block_fwd + 2 * cfg.d_model * cfg.vocab_size
+        b = rounds if backward_rounds is None else backward_rounds
+        return 3 * fixed_fwd + per_round_fwd * (rounds + 2 * b)
+
+
+def build_model(recipe: Any) -> LoopedLM:
+    """The model a recipe describes (the API's `looplm.build_model`)."""
+    return LoopedLM(recipe.model, rounds=recipe.depth.rounds, exit_gate=recipe.exit.gate)

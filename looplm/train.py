@@ -1,0 +1,307 @@
+"""The trainer: `looplm train` end to end.
+
+One step = `grad_accum` micro-batches. Each micro-batch draws its forward depth from the
+recipe's sampler (a function of seed, step and micro-batch), detaches the state before the
+backward window, reads out at the supervised rounds and adds their weighted losses. The
+trainer records what actually happened — sampled depths, gradient-visible rounds, unique
+tokens and token-passes, per-round diagnostics — and writes the run folder of CONTRACT.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from . import data as data_mod
+from .checkpoint import load_state, load_weights, save_checkpoint, write_text
+from .config import Recipe, load_recipe
+from .depth import depth_generator, expected_depth, sample_depth
+from .errors import UserError
+from .evaluate import eval_rounds_list, evaluate_rounds
+from .losses import placement, supervised_loss
+from .model import LoopedLM, build_model
+from .tokenizer import build_tokenizer, load_tokenizer
+
+
+def peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    o, total = recipe.optim, recipe.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    floor = o.lr * o.min_lr_ratio
+    if o.schedule == "constant":
+        return o.lr
+    if o.schedule == "wsd":
+        decay_start = total - int(round(o.decay_fraction * total))
+        if step < decay_start:
+            return o.lr
+        frac = (step - decay_start + 1) / max(1, total - decay_start)
+        return o.lr + (floor - o.lr) * frac
+    frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, trainable: set[str] | None = None) -> torch.optim.AdamW:
+    """AdamW; matrices decay, norms/biases/embeddings do not. named_parameters() yields a shared
+    tensor once, so the optimizer sees each shared tensor once."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if trainable is not None and name not in trainable:
+            p.requires_grad_(False)
+            continue
+        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
+    o = recipe.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+@dataclass
+class Counters:
+    """What actually happened over training; saved in the checkpoint for exact resume."""
+
+    depth_histogram: Counter = field(default_factory=Counter)
+    backward_histogram: Counter = field(default_factory=Counter)
+    supervised_rounds: Counter = field(default_factory=Counter)
+    fallback_steps: int = 0
+    token_passes: int = 0
+    tokens_seen: int = 0
+    train_flops: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    train_time_s: float = 0.0
+
+    def to_state(self) -> dict[str, torch.Tensor]:
+        def hist(c: Counter) -> torch.Tensor:
+            return torch.tensor(sorted(c.items()), dtype=torch.long).reshape(-1, 2)
+        return {"depth_histogram": hist(self.depth_histogram), "backward_histogram": hist(self.backward_histogram),
+                "supervised_rounds": hist(self.supervised_rounds),
+                "scalars": torch.tensor([self.fallback_steps, self.token_passes, self.tokens_seen], dtype=torch.long),
+                "floats": torch.tensor([self.train_flops, self.train_time_s], dtype=torch.float64),
+                "losses": torch.tensor(self.losses, dtype=torch.float64)}
+
+    @classmethod
+    def from_state(cls, s: dict[str, torch.Tensor]) -> "Counters":
+        def hist(t: torch.Tensor) -> Counter:
+            return Counter({int(k): int(v) for k, v in t.tolist()})
+        fb, tp, ts = s["scalars"].tolist()
+        flops, t = s["floats"].tolist()
+        return cls(hist(s["depth_histogram"]), hist(s["backward_histogram"]), hist(s["supervised_rounds"]),
+                   fb, tp, ts, flops, s["losses"].tolist(), t)
+
+
+def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
+    """Tokenizer + memory-mapped train/val token arrays under RUN/data (reused on resume)."""
+    ddir = run_dir / "data"
+    if resume and (ddir / "train.bin").exists():
+        tok = load_tokenizer(run_dir / "checkpoint")
+        return tok, data_mod.open_tokens(ddir / "train.bin"), data_mod.open_tokens(ddir / "val.bin")
+    docs = data_mod.read_documents(recipe.data.path or None, recipe.data.max_bytes)
+    train_docs, val_docs = data_mod.split_documents(docs, recipe.data.val_fraction)
+    tok = build_tokenizer(recipe.data.tokenizer, (t for _, t in train_docs), recipe.model.vocab_size)
+    if tok.vocab_size > recipe.model.vocab_size:
+        raise UserError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+    tok.save(run_dir / "checkpoint")
+    train = data_mod.encode_to_memmap(train_docs, tok, ddir / "train.bin")
+    val = data_mod.encode_to_memmap(val_docs, tok, ddir / "val.bin")
+    return tok, train, val
+
+
+def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
+               counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None):
+    """Forward + backward for one micro-batch; returns (loss value, forward output, loss info)."""
+    rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro)
+    window = None if recipe.backward.window == "all" else min(recipe.backward.window, rounds)
+    place = placement(recipe.supervision, rounds)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.train.dtype == "bf16")
+    with autocast:
+        out = model(x, rounds, backward_window=window, readout_rounds=place.rounds,
+                    generator=depth_generator(recipe.train.seed + 1, step, micro), collect_stats=collect_stats)
+        if recipe.train.stage == 2:
+            loss, info = stage2_loss(model, recipe, out, y, mask)
+        else:
+            loss, info = supervised_loss(recipe.supervision, out, y, mask)
+    if collect_stats:
+        for s in out.round_states:
+            if s.requires_grad:
+                s.retain_grad()
+    (loss / recipe.train.grad_accum).backward()
+    counters.depth_histogram[rounds] += 1
+    counters.backward_histogram[len(out.grad_rounds)] += 1
+    for r in place.rounds:
+        counters.supervised_rounds[r] += 1
+    counters.fallback_steps += int(place.fallback)
+    counters.tokens_seen += x.numel()
+    counters.token_passes += x.numel() * rounds
+    counters.train_flops += x.numel() * model.flops_per_token(rounds, x.shape[1], len(out.grad_rounds))
+    return loss.item(), out, info
+
+
+def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: torch.Tensor | None):
+    """Ouro stage II: only the gate trains, from detached per-token per-round losses."""
+    from .halting import stage2_gate_loss
+    from .losses import token_losses
+    with torch.no_grad():
+        per_round = torch.stack([token_losses(out.round_logits[r], y, mask) for r in range(1, out.rounds + 1)], -1)
+    loss = stage2_gate_loss(per_round, out.hazards[..., :out.rounds], k=recipe.train.stage2_k,
+                            gamma=recipe.train.stage2_gamma)
+    return loss, {"gate_loss": loss.item()}
+
+
+def round_diagnostics(model: LoopedLM, out, params_before: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    stats = dict(out.stats)
+    stats["grad_rms"] = [s.grad.float().pow(2).mean().sqrt().item() if s.grad is not None else 0.0
+                         for s in out.round_states]
+    return stats
+
+
+def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool = False,
+          stop_after: int | None = None) -> dict[str, Any]:
+    """Train `recipe` into `out_dir`; returns the report. stop_after ends early (tests of resume)."""
+    run_dir = Path(out_dir)
+    if resume:
+        if not (run_dir / "checkpoint" / "state.pt").is_file():
+            raise UserError(f"--resume: {run_dir} has no checkpoint to resume from")
+        saved = load_recipe(str(run_dir / "recipe.toml"))
+        if saved.to_dict() != recipe.to_dict():
+            recipe = saved  # the run's own recipe wins; --set on resume would change the experiment
+    elif (run_dir / "checkpoint" / "state.pt").exists():
+        raise UserError(f"--out {run_dir} already holds a run; pass --resume to continue it or choose another folder")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text(run_dir / "recipe.toml", recipe.to_toml())
+    if recipe.train.threads:
+        torch.set_num_threads(recipe.train.threads)
+
+    tok, train_tokens, val_tokens = prepare_data(recipe, run_dir, resume)
+    seq_len, bs = recipe.data.seq_len, recipe.train.batch_size
+    sampler = data_mod.TokenSampler(train_tokens, seq_len, bs, recipe.train.seed)
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe)
+    trainable = {n for n, _ in model.named_parameters() if n.startswith("gate.")} if recipe.train.stage == 2 else None
+    opt = make_optimizer(model, recipe, trainable)
+    counters, start = Counters(), 0
+    if resume:
+        state = load_state(run_dir)
+        load_weights(run_dir, model)
+        opt.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])
+        counters = Counters.from_state(state["counters"])
+        start = int(state["step"])
+        _truncate_metrics(run_dir / "metrics.jsonl", start)
+    elif (run_dir / "metrics.jsonl").exists():
+        (run_dir / "metrics.jsonl").unlink()
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(run_dir, model, {"step": step, "optimizer": opt.state_dict(),
+                                         "sampler": sampler.state_dict(), "counters": counters.to_state()})
+
+    total = recipe.train.steps if stop_after is None else min(recipe.train.steps, stop_after)
+    bar = tqdm(range(start, total), initial=start, total=recipe.train.steps, file=sys.stderr,
+               disable=quiet, desc="train", dynamic_ncols=True)
+    model.train()
+    metrics = open(run_dir / "metrics.jsonl", "a")
+    t_window, tok_window = time.perf_counter(), 0
+    for step in bar:
+        t0 = time.perf_counter()
+        lr = lr_at(step, recipe)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        log_now = step % recipe.train.log_every == 0 or step == total - 1
+        step_loss, depths, info, out = 0.0, [], {}, None
+        for micro in range(recipe.train.grad_accum):
+            x, y = sampler.batch(step * recipe.train.grad_accum + micro)
+            loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now)
+            step_loss += loss / recipe.train.grad_accum
+            depths.append(out.rounds)
+        clip = recipe.optim.grad_clip
+        params = [p for g in opt.param_groups for p in g["params"]]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
+        before = [p.detach().clone() for p in model.core.parameters()] if log_now else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        counters.losses.append(step_loss)
+        dt = time.perf_counter() - t0
+        counters.train_time_s += dt
+        tok_window += bs * seq_len * recipe.train.grad_accum
+        bar.set_postfix(loss=f"{step_loss:.3f}", rounds=",".join(map(str, depths)),
+                        tok_s=f"{tok_window / max(1e-9, time.perf_counter() - t_window):.0f}")
+        if log_now:
+            row = {"step": step, "loss": step_loss, "lr": lr, "rounds": depths, "grad_norm": gnorm,
+                   "tokens_per_s": tok_window / max(1e-9, time.perf_counter() - t_window),
+                   "grad_rounds": list(out.grad_rounds), **{k: v for k, v in info.items() if k != "round_losses"}}
+            if "round_losses" in info:
+                row["round_losses"] = {str(k): v for k, v in info["round_losses"].items()}
+            row.update(round_diagnostics(model, out, None))
+            with torch.no_grad():
+                num = sum((p - b).pow(2).sum() for p, b in zip(model.core.parameters(), before))
+                den = sum(b.pow(2).sum() for b in before)
+                row["core_update_ratio"] = math.sqrt(num.item() / max(den.item(), 1e-30))
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            t_window, tok_window = time.perf_counter(), 0
+        if (step + 1) % recipe.train.checkpoint_every == 0 or step + 1 == total:
+            checkpoint(step + 1)
+    bar.close()
+    metrics.close()
+    if total < recipe.train.steps:
+        return {"steps": total, "stopped_early": True}
+
+    from .report import write_report
+    report = build_report(recipe, model, sampler, counters, val_tokens, run_dir)
+    write_report(run_dir, report)
+    return report
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric rows logged after the checkpoint we resume from (they will be logged again)."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+    write_text(path, "".join(r + "\n" for r in rows))
+
+
+def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, val_tokens, run_dir: Path) -> dict:
+    mean_depth = (sum(k * v for k, v in counters.depth_histogram.items()) / max(1, sum(counters.depth_histogram.values())))
+    rounds_list = eval_rounds_list(recipe, mean_depth)
+    batches = data_mod.val_batches(val_tokens, recipe.data.seq_len, recipe.train.batch_size, recipe.train.eval_batches)
+    model.eval()
+    val = evaluate_rounds(model, batches, rounds_list)
+    tail = counters.losses[-max(1, len(counters.losses) // 10):]
+    place = recipe.supervision
+    return {
+        "recipe": recipe.to_dict(),
+        "steps": len(counters.losses),
+        "unique_tokens": sampler.unique_tokens(),
+        "tokens_seen": counters.tokens_seen,
+        "token_passes": counters.token_passes,
+        "params_stored": model.params_stored(),
+        "params_per_token_visit": model.params_per_token_visit(mean_depth),
+        "params_by_role": model.param_groups_by_role(),
+        "train_flops": counters.train_flops,
+        "mean_train_rounds": mean_depth,
+        "expected_train_rounds": expected_depth(recipe.depth),
+        "depth_histogram": {str(k): v for k, v in sorted(counters.depth_histogram.items())},
+        "backward_histogram": {str(k): v for k, v in sorted(counters.backward_histogram.items())},
+        "loss_placement": {"kind": place.kind, "rounds": list(place.rounds), "weights": list(place.round_weights),
+                           "supervised_round_counts": {str(k): v for k, v in sorted(counters.supervised_rounds.items())},
+                           "fallback_to_final_steps": counters.fallback_steps},
+        "train_loss_final": sum(tail) / len(tail),
+        "val_loss_by_rounds": {str(r): v["loss"] for r, v in val.items()},
+        "val_rounds_never_trained": [r for r in rounds_list if r not in counters.depth_histogram],
+        "wall_time_s": counters.train_time_s,
+        "tokens_per_s": counters.tokens_seen / max(1e-9, counters.train_time_s),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "train_data_tokens": int(len(sampler.tokens)),
+    }
