@@ -208,11 +208,47 @@ class DataConfig:
     """Fraction of documents held out for validation (split by document, never inside one)."""
     seq_len: int = 128
     """Training sequence length (<= model.context)."""
+    difficulty_min: int = 1
+    """Task data: smallest training difficulty of a built-in task (hops, overwrites, digits...)."""
+    difficulty_max: int = 4
+    """Task data: largest training difficulty of a built-in task."""
+    task_length: int = 0
+    """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max."""
+    curriculum: float = 0.0
+    """Task data: fraction of steps over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all from the start)."""
+    depth_by_difficulty: bool = False
+    """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
+    eval_difficulty_max: int = 0
+    """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
+    eval_rounds_max: int = 0
+    """Task data: largest evaluated round count; 0 = 2 x the largest training depth."""
+    eval_examples: int = 200
+    """Task data: held-out examples per difficulty for exact-match accuracy."""
+    probe_examples: int = 1000
+    """Experiment: examples per probed difficulty for the linear probes (half fit, half test); 0 = no probes."""
+    baselines: tuple[str, ...] = ("untied_same_params", "untied_same_compute")
+    """Experiment: models trained beside the looped one: untied_same_params, untied_same_compute, lstm."""
 
     def __post_init__(self) -> None:
         _check(self.max_bytes >= 1000, "data.max_bytes", "must be >= 1000")
         _check(0 < self.val_fraction < 1, "data.val_fraction", "must lie in (0, 1)")
         _check(self.seq_len >= 2, "data.seq_len", "must be >= 2")
+        _check(self.difficulty_min >= 0, "data.difficulty_min", "must be >= 0")
+        _check(self.difficulty_max >= self.difficulty_min, "data.difficulty_max",
+               f"must be >= data.difficulty_min ({self.difficulty_min})")
+        _check(self.task_length >= 0, "data.task_length", "must be >= 0 (0 = the task's default)")
+        _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
+               "data.eval_difficulty_max", f"must be 0 (= 2 x difficulty_max) or >= data.difficulty_min ({self.difficulty_min})")
+        _check(self.eval_rounds_max >= 0, "data.eval_rounds_max", "must be >= 0 (0 = 2 x the largest training depth)")
+        _check(self.eval_examples >= 1, "data.eval_examples", "must be >= 1")
+        _check(self.probe_examples == 0 or self.probe_examples >= 4, "data.probe_examples", "must be 0 (off) or >= 4")
+        known = ("untied_same_params", "untied_same_compute", "lstm")
+        for b in self.baselines:
+            _check(b in known, "data.baselines", f"entries must be among {', '.join(known)}; got {b!r}")
+        _check(len(set(self.baselines)) == len(self.baselines), "data.baselines", "must not repeat an entry")
+        _check(not self.task or self.tokenizer == "byte", "data.tokenizer",
+               'must be "byte" when data.task is set (one token per name and digit)')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,8 +266,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """AdamW decay on matrices; norms, biases and embeddings get none."""
     beta1: float = 0.9
+    """AdamW first-moment decay."""
     beta2: float = 0.95
+    """AdamW second-moment decay."""
     eps: float = 1e-8
+    """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = off)."""
 

@@ -33,7 +33,8 @@ def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[st
     sums = {r: 0.0 for r in rounds_list}
     count = 0
     for x, y in batches:
-        out = model(x, top, readout_rounds=tuple(rounds_list))
+        # A fixed generator makes a random initial state reproducible across evaluations.
+        out = model(x, top, readout_rounds=tuple(rounds_list), generator=torch.Generator().manual_seed(count))
         for r in rounds_list:
             sums[r] += token_losses(out.round_logits[r], y).sum().item()
         count += y.numel()
@@ -42,7 +43,8 @@ def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[st
 
 @torch.no_grad()
 def evaluate_loss(model, batches, rounds: int) -> float:
-    losses = [mean_loss(token_losses(model(x, rounds).logits, y)).item() for x, y in batches]
+    losses = [mean_loss(token_losses(model(x, rounds, generator=torch.Generator().manual_seed(i)).logits, y)).item()
+              for i, (x, y) in enumerate(batches)]
     return sum(losses) / len(losses)
 
 

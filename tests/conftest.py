@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny recipes, models and text folders so tests need no download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import looplm
+
+TINY = {
+    "model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
+    "model.n_prelude": 1, "model.n_core": 2, "model.n_coda": 1,
+    "depth.kind": "fixed", "depth.rounds": 3, "backward.window": "all",
+    "data.seq_len": 32, "train.batch_size": 4, "train.steps": 6, "train.log_every": 2,
+    "train.checkpoint_every": 3, "train.eval_batches": 2, "optim.warmup_steps": 2,
+}
+
+
+def tiny_recipe(**overrides):
+    return looplm.load_recipe("quickstart", overrides={**TINY, **overrides})
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A folder of a few small text documents (stand-in corpus)."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(6):
+        body = "\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}" for j in range(60))
+        (d / f"doc{i}.py").write_text(body)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
