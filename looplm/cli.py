@@ -39,9 +39,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .config import load_recipe
     from .train import train
 
-    recipe = load_recipe(args.recipe, _overrides(args.set))
-    out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = train(recipe, out, resume=args.resume)
+    if args.stage2:  # Ouro stage II: RUN's recipe and weights, only the exit gate trains
+        from .train import stage2_recipe
+        if args.recipe:
+            raise UserError("--stage2 RUN takes its recipe from RUN; change fields with --set, not --recipe")
+        recipe = stage2_recipe(args.stage2, _overrides(args.set))
+        out = args.out or f"{args.stage2.rstrip('/')}-stage2"
+        report = train(recipe, out, resume=args.resume, init_from=args.stage2)
+    else:
+        recipe = load_recipe(args.recipe or "quickstart", _overrides(args.set))
+        out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        report = train(recipe, out, resume=args.resume)
     print(f"run written to {out}: train loss {report['train_loss_final']:.4f}, "
           f"val loss by rounds {json.dumps(report['val_loss_by_rounds'])}", file=sys.stderr)
     print(out)
@@ -60,6 +68,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
+    if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
+        from .adaptive import exit_eval
+        extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,
+                                       data_label=args.data or "the run's validation split")
+        result.update(extra)
+        lines += extra_lines
     _emit(result, args.json, "\n".join(lines))
     return 0
 
@@ -73,6 +87,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            seed=args.seed, rounds=args.rounds)
     _emit(result, args.json, result["text"])
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .checkpoint import load_run
+    from .checks import run_checks
+
+    results = run_checks(load_run(args.run))
+    lines = [f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}" for c in results]
+    _emit({"checks": [c.to_dict() for c in results]}, args.json, "\n".join(lines))
+    return 0 if all(c.passed for c in results) else 1
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -95,16 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a recipe into a run folder")
-    t.add_argument("--recipe", default="quickstart", help="built-in name or TOML path (default quickstart)")
+    t.add_argument("--recipe", help="built-in name or TOML path (default quickstart)")
     t.add_argument("--out", help="run folder (default runs/NAME-TIMESTAMP)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. depth.mean=6")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--stage2", metavar="RUN", help="Ouro stage II: start from RUN's weights and recipe, train only "
+                                                   "the exit gate (default --out RUN-stage2)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out loss by rounds")
     e.add_argument("run")
     e.add_argument("--rounds", help="comma-separated round counts, e.g. 1,2,4,8")
     e.add_argument("--data", help="text file/folder (language modelling) to evaluate on instead of the run's split")
+    e.add_argument("--exit", metavar="POLICY", help="per-token early exit: fixed:R, quantile:Q, entropy:TAU or kl:EPS")
+    e.add_argument("--exit-sweep", metavar="KIND", help="sweep quantile|entropy|kl thresholds (optionally KIND:V1,V2,..)"
+                                                        "; writes a table, a plot and a report.md section")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -117,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rounds", type=int, default=None, help="rounds per token (default: the recipe's depth.rounds)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("check", help="the seeds' checks before claiming a saving, against a run")
+    c.add_argument("run")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
 
     sub.add_parser("recipes", help="list built-in recipes").set_defaults(func=cmd_recipes)
     r = sub.add_parser("recipe", help="recipe tools")

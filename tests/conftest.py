@@ -7,6 +7,9 @@ import torch
 
 import looplm
 
+# Tiny models run fastest on one thread; more threads only contend (and crawl on a busy machine).
+torch.set_num_threads(1)
+
 TINY = {
     "model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
     "model.n_prelude": 1, "model.n_core": 2, "model.n_coda": 1,
