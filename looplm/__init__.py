@@ -6,14 +6,16 @@ The public API:
     out = model(idx, rounds=4)          # LoopOutput; out.logits is (B, T, V)
     looplm.unroll(step, state, rounds, backward_window=None, readout_rounds=None)
     run = looplm.load_run("runs/x")     # .model, .tokenizer, .recipe, .report
+    looplm.Engine.from_run(run).generate(["def f("], looplm.SamplingParams(max_new_tokens=16))
 """
 
 from .checkpoint import Run, load_run
 from .config import Recipe, load_recipe
 from .engine import Unrolled, unroll
 from .errors import UserError
+from .generation import Engine, GenerationConfig, SamplingParams
 from .model import LoopedLM, LoopOutput, build_model
 
-__all__ = ["Recipe", "Run", "LoopOutput", "LoopedLM", "Unrolled", "UserError", "build_model", "load_recipe",
-           "load_run", "unroll"]
+__all__ = ["Engine", "GenerationConfig", "Recipe", "Run", "LoopOutput", "LoopedLM", "SamplingParams", "Unrolled",
+           "UserError", "build_model", "load_recipe", "load_run", "unroll"]
 __version__ = "0.1.0"

@@ -80,12 +80,63 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_run
-    from .sampling import generate_text
+    from .generation import generate_for_run
 
-    run = load_run(args.run)
-    result = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           seed=args.seed, rounds=args.rounds)
+    options: dict[str, Any] = dict(
+        exit=args.exit, prefill_cache=args.prefill_cache, decode_cache=args.decode_cache, missing=args.missing_kv,
+        speculative=args.speculative, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, stop=args.stop)
+    if args.no_cache:  # the slow reference: recompute the whole sequence for every token (sampling.py)
+        from .sampling import generate_text
+        defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
+                        top_p=1.0, repetition_penalty=1.0, stop=[])
+        rounds = args.rounds
+        if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
+            from .halting import parse_exit_policy
+            rounds, options["exit"] = int(parse_exit_policy(args.exit).value), None
+        given = [k for k, v in options.items() if v != defaults[k]]
+        if given:
+            raise UserError(f"--no-cache is the plain reference (greedy or temperature, fixed depth); "
+                            f"it takes none of: {', '.join(_flag(k) for k in given)}")
+        run = load_run(args.run)
+        result = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               seed=args.seed, rounds=rounds)
+    else:
+        run = load_run(args.run)
+        result = generate_for_run(run, args.prompt, max_new_tokens=args.max_new_tokens,
+                                  temperature=args.temperature, seed=args.seed, rounds=args.rounds, **options)
     _emit(result, args.json, result["text"])
+    return 0
+
+
+def _flag(option: str) -> str:
+    return "--missing-kv" if option == "missing" else "--" + option.replace("_", "-")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import ServeLimits, serve
+
+    limits = ServeLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+                         max_concurrent=args.max_concurrent, max_batch=args.max_batch,
+                         batch_window_ms=args.batch_window_ms)
+    engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
+                                            decode_cache=args.decode_cache, missing=args.missing_kv).items()
+                      if v is not None}
+    if args.threads < 0:
+        raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    serve(args.run, host=args.host, port=args.port, limits=limits, engine_options=engine_options)
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from .bench import bench_decode, decode_lines
+
+    result = bench_decode(runs=args.runs, threads=args.threads, new_tokens=args.new_tokens, quick=args.quick,
+                          peers=not args.no_peers)
+    _emit(result, args.json, "\n".join(decode_lines(result)))
     return 0
 
 
@@ -111,6 +162,25 @@ def cmd_recipe_show(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.name, _overrides(args.set))
     print(json.dumps(recipe.to_dict()) if args.json else recipe.to_toml(), end="" if not args.json else "\n")
     return 0
+
+
+def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
+    from .config import load_recipe
+    from .experiment import QUICK_OVERRIDES, run_extrapolate, summary_lines
+
+    recipe = load_recipe(args.recipe, {**(QUICK_OVERRIDES if args.quick else {}), **_overrides(args.set)})
+    out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = run_extrapolate(recipe, out)
+    text = "\n".join([f"experiment written to {out} (report.md, heatmap_*.png)", *summary_lines(result)])
+    _emit(result, args.json, text)
+    return 0
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-cache", help="what prompt tokens keep: full, first, last or average (default full)")
+    p.add_argument("--decode-cache", help="what generated tokens keep: full, first, last or average (default full)")
+    p.add_argument("--missing-kv", help="under full, what later rounds read for tokens that exited early: "
+                                        "copy_forward (default) or mask")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,8 +214,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--rounds", type=int, default=None, help="rounds per token (default: the recipe's depth.rounds)")
+    g.add_argument("--exit", help="exit policy: fixed:R, quantile:Q, entropy:TAU or kl:EPS (default: the recipe's)")
+    _cache_args(g)
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (slow reference)")
+    g.add_argument("--speculative", metavar="ROUNDS:K", help="draft K tokens with ROUNDS rounds, verify at full depth")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (1 = off)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible completions server (POST /v1/completions, GET /v1/models)")
+    sv.add_argument("run")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--exit", help="exit policy for every request (default: the recipe's)")
+    _cache_args(sv)
+    sv.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt (0 = context - 1)")
+    sv.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
+    sv.add_argument("--max-concurrent", type=int, default=64, help="prompts in flight before 429")
+    sv.add_argument("--max-batch", type=int, default=8, help="prompts decoded together")
+    sv.add_argument("--batch-window-ms", type=float, default=5.0, help="wait this long to fill a batch")
+    sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    sv.set_defaults(func=cmd_serve)
+
+    bn = sub.add_parser("bench", help="benchmarks on the matched bench-s configuration, peers in the same run")
+    bsub = bn.add_subparsers(dest="bench", required=True)
+    bd = bsub.add_parser("decode", help="prefill/decode tokens/s, TTFT, latency, memory vs HF and x-transformers")
+    bd.add_argument("--runs", type=int, default=5, help="timed runs per row (the median is reported)")
+    bd.add_argument("--threads", type=int, default=1, help="torch CPU threads for every engine (default 1)")
+    bd.add_argument("--new-tokens", type=int, default=128)
+    bd.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
+    bd.add_argument("--no-peers", action="store_true", help="skip the hf-llama and x-transformers rows")
+    bd.add_argument("--json", action="store_true")
+    bd.set_defaults(func=cmd_bench_decode)
 
     c = sub.add_parser("check", help="the seeds' checks before claiming a saving, against a run")
     c.add_argument("run")
@@ -160,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--set", action="append", metavar="KEY=VALUE")
     rs.add_argument("--json", action="store_true")
     rs.set_defaults(func=cmd_recipe_show)
+
+    x = sub.add_parser("experiment", help="experiments built from recipes")
+    xsub = x.add_subparsers(dest="experiment", required=True)
+    xe = xsub.add_parser("extrapolate", help="train on easy task cases, evaluate harder ones with more rounds")
+    xe.add_argument("--recipe", default="extrapolate", help="built-in name or TOML path (default extrapolate)")
+    xe.add_argument("--out", help="experiment folder (default runs/NAME-TIMESTAMP)")
+    xe.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    xe.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
+    xe.add_argument("--json", action="store_true")
+    xe.set_defaults(func=cmd_experiment_extrapolate)
     return p
 
 

@@ -23,6 +23,13 @@ def eval_rounds_list(recipe, mean_depth: float) -> list[int]:
     return rounds
 
 
+def extrapolation_rounds(recipe) -> list[int]:
+    """Every depth 1 .. 2x the training maximum (the report's depth-extrapolation curve)."""
+    if recipe.model.untied:
+        return [recipe.depth.rounds]
+    return list(range(1, 2 * recipe.depth.max_rounds + 1))
+
+
 @torch.no_grad()
 def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[str, float]]:
     """Mean next-token loss and perplexity at each round count, over the same batches.

@@ -400,7 +400,8 @@ def successive_kl(logits: torch.Tensor, prev_logits: torch.Tensor) -> torch.Tens
     logp = torch.log_softmax(_upcast(logits), dim=-1)
     logq = torch.log_softmax(_upcast(prev_logits), dim=-1)
     p = logp.exp()
-    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(dim=-1)
+    # KL >= 0 exactly; rounding can leave a tiny negative, which would make `kl:0` fire.
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(dim=-1).clamp_min(0)
 
 
 def should_exit(

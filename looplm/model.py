@@ -58,6 +58,13 @@ def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
     return (2 * n) ** p, (8 * n) ** (-p)
 
 
+def initial_noise_table(cfg: ModelConfig, seed: int) -> Tensor:
+    """(context, d) random initial loop states indexed by position, for inference with init_state = random:
+    one seed gives every position the same noise whether the sequence is run whole, cached or batched."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(cfg.context, cfg.d_model, generator=g) * cfg.init_state_std
+
+
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor]:
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)  # (L, Dh/2)
@@ -244,9 +251,11 @@ class LoopedLM(nn.Module):
         start_pos: int = 0,
         positions: Tensor | None = None,
         generator: torch.Generator | None = None,
+        initial_state: Tensor | None = None,
         collect_stats: bool = False,
     ) -> LoopOutput:
-        """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth)."""
+        """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
+        initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table)."""
         rounds = self.nominal_rounds if rounds is None else rounds
         if self.cfg.untied and rounds != self.nominal_rounds:
             raise ValueError(f"the untied baseline has blocks for exactly {self.nominal_rounds} rounds, asked {rounds}")
@@ -255,7 +264,7 @@ class LoopedLM(nn.Module):
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds the model context {self.cfg.context}")
         rope = self.rope(start_pos, T, positions)
         e = self.encode(idx, rope, cache)                     # (B, T, d)
-        s0 = self.initial_state(e, generator)
+        s0 = self.initial_state(e, generator) if initial_state is None else initial_state.to(e.dtype)
         hazards: list[Tensor] = []
         states: list[Tensor] = []
 
@@ -268,9 +277,10 @@ class LoopedLM(nn.Module):
             return s
 
         wanted = set(readout_rounds or ()) | {rounds}
-        # Each readout runs the coda; with a cache only the final readout may write coda slots.
+        # Each readout runs the coda. With a cache every readout attends to the cached coda history
+        # (a one-token decode step has no other); the cache keeps the last write, the final round's.
         run = unroll(step, s0, rounds, backward_window, wanted,
-                     readout=lambda s, r: self.readout(s, rope, cache if r == rounds else None, r))
+                     readout=lambda s, r: self.readout(s, rope, cache, r))
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
                          grad_rounds=run.grad_rounds, state=run.state, cache=cache)
         if hazards:

@@ -78,6 +78,9 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     lines += [f"- **{k}**: {v}" for k, v in describe(rec)]
     lines += ["", "## What happened", "",
               f"- optimizer steps: {report['steps']}",
+              *([f"- initialised from run `{report['init_from']}`"
+                 + ("; language-model weights frozen (bit-identical), only the exit gate trained"
+                    if rec.get("train", {}).get("stage") == 2 else "")] if report.get("init_from") else []),
               f"- sampled forward rounds (per micro-batch): {_hist_line(report['depth_histogram'])}; "
               f"mean {report['mean_train_rounds']:.2f}",
               f"- gradient-visible rounds: {_hist_line(report['backward_histogram'])}",
@@ -98,6 +101,21 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     never = set(report.get("val_rounds_never_trained", []))
     for r, loss in report["val_loss_by_rounds"].items():
         lines.append(f"| {r} | {loss:.4f} | {'NEVER SAMPLED in training' if int(r) in never else 'yes'} |")
+    extrap = report.get("val_loss_extrapolation")
+    if extrap:
+        hist = report.get("depth_histogram", {})
+        supervised = report.get("loss_placement", {}).get("supervised_round_counts", {})
+        deepest = max((int(k) for k in hist), default=0)
+        lines += ["", "## Depth extrapolation", "",
+                  f"Validation loss at every depth from 1 to {max(int(r) for r in extrap)} rounds (twice the largest "
+                  f"training depth, {deepest}) beside how often training ran each depth as its forward depth and "
+                  "supervised its readout. Rounds beyond the deepest training depth never ran in training at all. "
+                  "See depth_extrapolation.png.", "",
+                  "| rounds | loss | micro-batches with this forward depth | micro-batches supervising this round | |",
+                  "|---:|---:|---:|---:|---|"]
+        for r, loss in extrap.items():
+            beyond = "never run in training" if int(r) > deepest else ""
+            lines.append(f"| {r} | {loss:.4f} | {hist.get(str(r), 0)} | {supervised.get(str(r), 0)} | {beyond} |")
     for extra in report.get("sections", []):
         lines += ["", f"## {extra['title']}", "", extra["markdown"]]
     if plots:
@@ -138,7 +156,43 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
         ax.set_xlabel("rounds"); ax.set_ylabel("micro-batches"); ax.set_title(title)
     fig.tight_layout(); fig.savefig(run_dir / "depth_histograms.png", dpi=100); plt.close(fig)
     names.append("depth_histograms.png")
+    if report.get("val_loss_extrapolation"):
+        plot_depth_extrapolation(run_dir / "depth_extrapolation.png", report)
+        names.append("depth_extrapolation.png")
     return names
+
+
+def plot_depth_extrapolation(path: Path, report: dict[str, Any]) -> None:
+    """Validation loss at rounds 1..2x the training maximum above the training depth histogram
+    (and the supervised readout rounds), on one rounds axis; rounds beyond the deepest training
+    depth, which never ran in training, are shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    extrap = {int(k): v for k, v in report["val_loss_extrapolation"].items()}
+    hist = {int(k): v for k, v in report["depth_histogram"].items()}
+    supervised = {int(k): v for k, v in report.get("loss_placement", {}).get("supervised_round_counts", {}).items()}
+    deepest = max(hist, default=0)
+    xs = sorted(extrap)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 4.6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    if max(xs) > deepest:
+        for ax in (top, bottom):
+            ax.axvspan(deepest + 0.5, max(xs) + 0.5, color="red", alpha=0.08, lw=0)
+    top.plot(xs, [extrap[x] for x in xs], marker="o")
+    top.set_ylabel("validation loss")
+    top.set_title("Depth extrapolation (shaded: deeper than any training step)")
+    bottom.bar([x - 0.2 for x in hist], list(hist.values()), width=0.4, color="gray", label="forward depth")
+    if supervised:
+        bottom.bar([x + 0.2 for x in supervised], list(supervised.values()), width=0.4, color="tab:orange",
+                   label="readout supervised")
+        bottom.legend(fontsize=7)
+    bottom.set_xlabel("rounds")
+    bottom.set_ylabel("training\nmicro-batches")
+    bottom.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def write_report(run_dir: Path, report: dict[str, Any]) -> None:
@@ -146,3 +200,27 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     plots = write_plots(run_dir, report)
     write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     write_text(run_dir / "report.md", render_markdown(report, plots))
+
+
+PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png")
+
+
+def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] | None = None) -> bool:
+    """Add (or replace, by title) a section of report.md and merge `data` into report.json, then
+    re-render report.md from report.json. Returns False when the run has no report yet."""
+    run_dir = Path(run_dir)
+    path = run_dir / "report.json"
+    if not path.is_file():
+        return False
+    report = json.loads(path.read_text())
+    sections = [s for s in report.get("sections", []) if s.get("title") != title]
+    report["sections"] = sections + [{"title": title, "markdown": markdown}]
+    for key, value in (data or {}).items():
+        if isinstance(value, dict) and isinstance(report.get(key), dict):
+            report[key] = {**report[key], **value}
+        else:
+            report[key] = value
+    write_text(path, json.dumps(report, indent=2) + "\n")
+    plots = [p for p in PLOT_FILES if (run_dir / p).is_file()]
+    write_text(run_dir / "report.md", render_markdown(report, plots))
+    return True

@@ -1,6 +1,8 @@
 """Plain sampling without a cache: the slow reference that cached decoding must match.
 
-Each new token reruns the whole sequence through prelude, every round and coda.
+Each new token reruns the whole sequence through prelude, every round and coda. A random
+initial state comes from the same position-indexed noise table (seeded by --seed) that the
+cached engine uses, so the two agree token for token.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 
 from .errors import UserError
+from .model import initial_noise_table
 
 
 def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -39,14 +42,20 @@ def generate_text(run: Any, prompt: str, max_new_tokens: int = 64, temperature: 
     if len(ids) + max_new_tokens > ctx:
         raise UserError(f"--prompt: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of {ctx}")
     g = torch.Generator().manual_seed(seed)
+    noise = initial_noise_table(model.cfg, seed)[None] if model.cfg.init_state == "random" else None  # (1, ctx, d)
+
+    def forward(seq: torch.Tensor):
+        s0 = None if noise is None else noise[:, :seq.shape[1]]
+        return model(seq, rounds, initial_state=s0)
+
     seq = torch.tensor([ids])
     t0 = time.perf_counter()
-    model(seq, rounds)
+    forward(seq)
     prefill_s = time.perf_counter() - t0
     new: list[int] = []
     t1 = time.perf_counter()
     for _ in range(max_new_tokens):
-        logits = model(seq, rounds).logits[:, -1]
+        logits = forward(seq).logits[:, -1]
         nxt = sample_next(logits, temperature, g)
         new.append(int(nxt))
         seq = torch.cat([seq, nxt.view(1, 1)], dim=1)

@@ -24,10 +24,10 @@ from tqdm import tqdm
 
 from . import data as data_mod
 from .checkpoint import load_state, load_weights, save_checkpoint, write_text
-from .config import Recipe, load_recipe
+from .config import Recipe, SupervisionConfig, load_recipe
 from .depth import depth_generator, expected_depth, sample_depth
 from .errors import UserError
-from .evaluate import eval_rounds_list, evaluate_rounds
+from .evaluate import eval_rounds_list, evaluate_rounds, extrapolation_rounds
 from .losses import placement, supervised_loss
 from .model import LoopedLM, build_model
 from .tokenizer import build_tokenizer, load_tokenizer
@@ -103,7 +103,11 @@ class Counters:
 
 
 def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
-    """Tokenizer + memory-mapped train/val token arrays under RUN/data (reused on resume)."""
+    """Tokenizer + memory-mapped train/val token arrays under RUN/data (reused on resume).
+    With data.task: (tokenizer, taskdata.TaskSampler, taskdata.TaskSource) instead."""
+    if recipe.data.task:
+        from .taskdata import prepare_task_data
+        return prepare_task_data(recipe, run_dir)
     ddir = run_dir / "data"
     if resume and (ddir / "train.bin").exists():
         tok = load_tokenizer(run_dir / "checkpoint")
@@ -120,11 +124,16 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
 
 
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
-               counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None):
-    """Forward + backward for one micro-batch; returns (loss value, forward output, loss info)."""
-    rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro)
+               counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None,
+               rounds: int | None = None, supervision=None):
+    """Forward + backward for one micro-batch; returns (loss value, forward output, loss info).
+    rounds / supervision, when given (task data by difficulty), replace the recipe's draws."""
+    if rounds is None:
+        rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro)
+    supervision = recipe.supervision if supervision is None else supervision
     window = None if recipe.backward.window == "all" else min(recipe.backward.window, rounds)
-    place = placement(recipe.supervision, rounds)
+    # stage II's gate loss compares every round's readout, whatever the stage-I placement was
+    place = placement(SupervisionConfig(kind="every") if recipe.train.stage == 2 else supervision, rounds)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.train.dtype == "bf16")
     with autocast:
         out = model(x, rounds, backward_window=window, readout_rounds=place.rounds,
@@ -132,7 +141,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         if recipe.train.stage == 2:
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
-            loss, info = supervised_loss(recipe.supervision, out, y, mask)
+            loss, info = supervised_loss(supervision, out, y, mask)
     if collect_stats:
         for s in out.round_states:
             if s.requires_grad:
@@ -168,8 +177,10 @@ def round_diagnostics(model: LoopedLM, out, params_before: dict[str, torch.Tenso
 
 
 def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool = False,
-          stop_after: int | None = None) -> dict[str, Any]:
-    """Train `recipe` into `out_dir`; returns the report. stop_after ends early (tests of resume)."""
+          stop_after: int | None = None, init_from: str | Path | None = None) -> dict[str, Any]:
+    """Train `recipe` into `out_dir`; returns the report. stop_after ends early (tests of resume).
+    init_from: a finished run whose weights (and tokenizer and data split) the new run starts from
+    (`looplm train --stage2 RUN`); with train.stage = 2 a missing exit gate starts fresh."""
     run_dir = Path(out_dir)
     if resume:
         if not (run_dir / "checkpoint" / "state.pt").is_file():
@@ -184,9 +195,13 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
     if recipe.train.threads:
         torch.set_num_threads(recipe.train.threads)
 
-    tok, train_tokens, val_tokens = prepare_data(recipe, run_dir, resume)
+    if init_from is not None and not resume:
+        init_from = Path(init_from)
+        _adopt_data(init_from, run_dir)  # same tokenizer and train/val split as the run we start from
+    tok, train_tokens, val_tokens = prepare_data(recipe, run_dir, resume or init_from is not None)
     seq_len, bs = recipe.data.seq_len, recipe.train.batch_size
-    sampler = data_mod.TokenSampler(train_tokens, seq_len, bs, recipe.train.seed)
+    sampler = (train_tokens if recipe.data.task  # task data comes with its own sampler
+               else data_mod.TokenSampler(train_tokens, seq_len, bs, recipe.train.seed))
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe)
     trainable = {n for n, _ in model.named_parameters() if n.startswith("gate.")} if recipe.train.stage == 2 else None
@@ -202,9 +217,14 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
         _truncate_metrics(run_dir / "metrics.jsonl", start)
     elif (run_dir / "metrics.jsonl").exists():
         (run_dir / "metrics.jsonl").unlink()
+    if resume:
+        init_from = state.get("init_from") or None
+    elif init_from is not None:
+        load_init_weights(init_from, model, allow_missing="gate." if recipe.train.stage == 2 else None)
+    origin = {"init_from": str(init_from)} if init_from is not None else {}
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(run_dir, model, {"step": step, "optimizer": opt.state_dict(),
+        save_checkpoint(run_dir, model, {**origin, "step": step, "optimizer": opt.state_dict(),
                                          "sampler": sampler.state_dict(), "counters": counters.to_state()})
 
     total = recipe.train.steps if stop_after is None else min(recipe.train.steps, stop_after)
@@ -221,8 +241,9 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
         log_now = step % recipe.train.log_every == 0 or step == total - 1
         step_loss, depths, info, out = 0.0, [], {}, None
         for micro in range(recipe.train.grad_accum):
-            x, y = sampler.batch(step * recipe.train.grad_accum + micro)
-            loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now)
+            x, y, *task_opts = sampler.batch(step * recipe.train.grad_accum + micro)  # task: + mask, rounds
+            loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now,
+                                         **(task_opts[0] if task_opts else {}))
             step_loss += loss / recipe.train.grad_accum
             depths.append(out.rounds)
         clip = recipe.optim.grad_clip
@@ -260,8 +281,57 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
 
     from .report import write_report
     report = build_report(recipe, model, sampler, counters, val_tokens, run_dir)
+    report.update(origin)
     write_report(run_dir, report)
     return report
+
+
+def stage2_recipe(run: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """The recipe of `looplm train --stage2 RUN`: RUN's own recipe with train.stage = 2 and an exit
+    gate, plus --set overrides (Ouro stage II: the LM frozen, only the gate trains)."""
+    from .config import apply_overrides, read_recipe_dict, recipe_from_dict
+    src = Path(run)
+    if not (src / "recipe.toml").is_file() or not (src / "checkpoint" / "model.safetensors").is_file():
+        raise UserError(f"--stage2 {src}: not a finished looplm run (needs recipe.toml and checkpoint/model.safetensors)")
+    data = read_recipe_dict(str(src / "recipe.toml"))
+    data.setdefault("train", {})["stage"] = 2
+    data.setdefault("exit", {})["gate"] = True
+    data["name"] = f"{data.get('name', 'run')}-stage2"
+    recipe = recipe_from_dict(apply_overrides(data, overrides or {}))
+    if recipe.train.stage != 2:
+        raise UserError("--stage2: train.stage must stay 2 (the language model is frozen; only the gate trains)")
+    return recipe
+
+
+def _adopt_data(src: Path, run_dir: Path) -> None:
+    """Copy a run's tokenizer files and token split into a new run folder."""
+    import shutil
+    if not (src / "checkpoint").is_dir():
+        raise UserError(f"init run {src}: no checkpoint/ folder")
+    (run_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
+    for f in (src / "checkpoint").iterdir():
+        if f.is_file() and f.name not in ("model.safetensors", "state.pt") and not f.name.startswith("."):
+            shutil.copy2(f, run_dir / "checkpoint" / f.name)
+    if (src / "data").is_dir():
+        shutil.copytree(src / "data", run_dir / "data", dirs_exist_ok=True)
+
+
+def load_init_weights(src: str | Path, model: LoopedLM, allow_missing: str | None = None) -> None:
+    """Load a run's weights into `model`; parameters named with the prefix `allow_missing` (the
+    exit gate, for stage II of a run trained without one) may be absent and keep their init."""
+    from safetensors.torch import load_model
+    path = Path(src) / "checkpoint" / "model.safetensors"
+    if not path.is_file():
+        raise UserError(f"init run {src}: missing checkpoint/model.safetensors")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except Exception as err:
+        raise UserError(f"init run {src}: weights do not fit this recipe ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:200]})") from None
+    missing = [k for k in missing if not (allow_missing and k.startswith(allow_missing))]
+    if missing or unexpected:
+        raise UserError(f"init run {src}: weights do not fit this recipe (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -275,9 +345,21 @@ def _truncate_metrics(path: Path, step: int) -> None:
 def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, val_tokens, run_dir: Path) -> dict:
     mean_depth = (sum(k * v for k, v in counters.depth_histogram.items()) / max(1, sum(counters.depth_histogram.values())))
     rounds_list = eval_rounds_list(recipe, mean_depth)
-    batches = data_mod.val_batches(val_tokens, recipe.data.seq_len, recipe.train.batch_size, recipe.train.eval_batches)
     model.eval()
-    val = evaluate_rounds(model, batches, rounds_list)
+    task: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if recipe.data.task:  # answer-token loss and exact match on held-out examples
+        from .taskdata import task_report
+        task = task_report(model, recipe, sampler, val_tokens, rounds_list)
+        val = task.pop("val")
+    else:
+        batches = data_mod.val_batches(val_tokens, recipe.data.seq_len, recipe.train.batch_size,
+                                       recipe.train.eval_batches)
+        # one pass reads out every depth 1..2x the training maximum (depth extrapolation) too
+        extrap = extrapolation_rounds(recipe)
+        val_all = evaluate_rounds(model, batches, sorted(set(rounds_list) | set(extrap)))
+        val = {r: val_all[r] for r in rounds_list}
+        extra = {"val_loss_extrapolation": {str(r): val_all[r]["loss"] for r in extrap}}
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     place = recipe.supervision
     return {
@@ -303,5 +385,7 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         "wall_time_s": counters.train_time_s,
         "tokens_per_s": counters.tokens_seen / max(1e-9, counters.train_time_s),
         "peak_rss_bytes": peak_rss_bytes(),
-        "train_data_tokens": int(len(sampler.tokens)),
+        "train_data_tokens": int(len(sampler.tokens)) if not task else task["train_data_tokens"],
+        **task,
+        **extra,
     }

@@ -59,7 +59,7 @@ def mass_batches(draw: st.DrawFn) -> torch.Tensor:
     total = m.sum(-1, keepdim=True)
     onehot = torch.zeros_like(m)
     onehot[:, 0] = 1.0
-    return torch.where(total > 0, m / total.clamp_min(1e-300), onehot)
+    return torch.where(total > 1e-300, m / total.clamp_min(1e-300), onehot)  # a denormal total would not normalise
 
 
 # -----------------------------------------------------------------------------

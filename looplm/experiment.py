@@ -1,0 +1,313 @@
+"""`looplm experiment extrapolate`: do more rounds buy harder reasoning than was trained?
+
+One recipe drives the whole experiment (the built-in `extrapolate`): its task data
+(`data.task`, training difficulties data.difficulty_min..max, one prompt length for every
+difficulty) trains
+
+    looped               the recipe's model: shared core, sampled rounds
+    untied_same_params   an untied stack with the looped model's stored parameters: the same
+                         blocks, each run once (depth.rounds = 1)
+    untied_same_compute  an untied stack with the looped model's compute per token at its
+                         largest training depth: n_core x depth.max distinct blocks
+    lstm                 (when data.baselines lists it) an LSTM with about the looped model's
+                         stored parameters, on the same batches
+
+Every model sees the same batches for the same steps with the same optimizer. Each is
+evaluated by exact match on held-out examples of difficulty up to data.eval_difficulty_max
+(default 2 x the training maximum) — the looped one at every round count up to
+data.eval_rounds_max (default 2 x its largest training depth), the others at their fixed
+depth. Prompt length is held fixed across difficulties by distractors and reported apart.
+Linear probes on the looped model's state after each round show where in depth the answer
+becomes readable. Results: OUT/report.json, OUT/report.md with a table and a heatmap PNG per
+model, and one ordinary run folder per model (OUT/looped, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import atomic_write, load_run, write_text
+from .config import Recipe, apply_overrides, recipe_from_dict
+from .errors import UserError
+from .losses import mean_loss, token_losses
+from .taskdata import (TaskSampler, TaskSource, accuracy_table, markdown_table, prompt_tokens_by_difficulty)
+from .tokenizer import ByteTokenizer
+
+QUICK_OVERRIDES: dict[str, Any] = {
+    # A smoke-test size: every model, the evaluation and the probes run in seconds.
+    "model.d_model": 32, "model.n_heads": 2, "depth.max": 4, "depth.rounds": 4,
+    "data.difficulty_max": 2, "data.eval_examples": 16, "data.probe_examples": 32,
+    "train.steps": 8, "train.batch_size": 16, "train.log_every": 4, "train.checkpoint_every": 100,
+    "optim.warmup_steps": 2,
+}
+"""What --quick sets (before any --set)."""
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[extrapolate] {msg}", file=sys.stderr, flush=True)
+
+
+def baseline_recipes(recipe: Recipe) -> dict[str, Recipe]:
+    """The untied baselines' recipes: the looped recipe with an untied core of fixed depth."""
+    def untied(rounds: int, label: str) -> Recipe:
+        return recipe_from_dict(apply_overrides(recipe.to_dict(), {
+            "name": f"{recipe.name}-{label}", "model.untied": True, "depth.kind": "fixed",
+            "depth.rounds": rounds, "backward.window": "all", "supervision.kind": "final",
+            "supervision.rounds": [], "supervision.weights": [], "exit.gate": False, "exit.policy": "fixed"}))
+    return {"untied_same_params": untied(1, "untied-same-params"),
+            "untied_same_compute": untied(recipe.depth.max_rounds, "untied-same-compute")}
+
+
+# ---------------------------------------------------------------------------------------
+# The LSTM baseline on task data
+
+
+def lstm_params(vocab: int, d_embed: int, hidden: int) -> int:
+    return vocab * d_embed + 4 * hidden * (hidden + d_embed) + 4 * hidden + hidden * vocab + vocab
+
+
+def lstm_hidden_for(target: int, vocab: int, d_embed: int) -> int:
+    """The hidden width whose LSTM has the stored-parameter count closest to `target`."""
+    return min(range(1, 4096), key=lambda h: abs(lstm_params(vocab, d_embed, h) - target))
+
+
+def train_lstm(recipe: Recipe, run_dir: Path, source: TaskSource, target_params: int, quiet: bool = True):
+    """Train an LSTMLM on the recipe's task batches with the recipe's optimizer and schedule."""
+    from safetensors.torch import save_model
+
+    from .lstm import LSTMLM
+    from .train import lr_at, make_optimizer
+
+    tok = ByteTokenizer()
+    vocab, d_embed = recipe.model.vocab_size, recipe.model.d_model
+    hidden = lstm_hidden_for(target_params, vocab, d_embed)
+    torch.manual_seed(recipe.train.seed)
+    model = LSTMLM(vocab, d_embed, hidden)
+    opt = make_optimizer(model, recipe)
+    sampler = TaskSampler(source, tok, recipe)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    losses, t0, accum = [], time.perf_counter(), recipe.train.grad_accum
+    model.train()
+    with open(run_dir / "metrics.jsonl", "w") as metrics:
+        for step in range(recipe.train.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, recipe)
+            step_loss = 0.0
+            for micro in range(accum):
+                x, y, opts = sampler.batch(step * accum + micro)
+                mask = opts["mask"]
+                loss = mean_loss(token_losses(model(x), y, mask), mask)
+                (loss / accum).backward()
+                step_loss += loss.item() / accum
+            clip = recipe.optim.grad_clip
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(step_loss)
+            if step % recipe.train.log_every == 0 or step == recipe.train.steps - 1:
+                metrics.write(json.dumps({"step": step, "loss": step_loss}) + "\n")
+                _say(f"lstm step {step}/{recipe.train.steps} loss {step_loss:.3f}", quiet)
+    wall = time.perf_counter() - t0
+    atomic_write(run_dir / "model.safetensors", lambda tmp: save_model(model, tmp))
+    tail = losses[-max(1, len(losses) // 10):]
+    report = {"model": "lstm", "vocab_size": vocab, "d_embed": d_embed, "hidden": hidden,
+              "params_stored": sum(p.numel() for p in model.parameters()), "steps": len(losses),
+              "train_loss_final": sum(tail) / len(tail), "wall_time_s": wall}
+    write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    model.eval()
+    return model, report
+
+
+# ---------------------------------------------------------------------------------------
+# The experiment
+
+
+def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
+    """Train the looped model and its baselines, evaluate difficulty x rounds, probe, report."""
+    t_start = time.perf_counter()
+    if not recipe.data.task:
+        raise UserError("recipe field data.task: the extrapolate experiment needs task data (e.g. \"chain\")")
+    if recipe.model.untied:
+        raise UserError("recipe field model.untied: must be false; the experiment builds the untied baselines itself")
+    out = Path(out_dir)
+    names = ["looped", *recipe.data.baselines]
+    if (out / "report.json").exists() or any((out / n / "checkpoint").exists() for n in names):
+        raise UserError(f"--out {out}: already holds an experiment; choose another folder")
+    source = TaskSource(recipe)  # validates the task dials before anything trains
+    tok = ByteTokenizer()
+    d = recipe.data
+    eval_rounds_max = d.eval_rounds_max or 2 * recipe.depth.max_rounds
+    eval_sets = source.eval_sets(d.eval_examples)
+    if recipe.train.threads:
+        torch.set_num_threads(recipe.train.threads)
+
+    from .train import train
+
+    models: dict[str, torch.nn.Module] = {}
+    info: dict[str, dict[str, Any]] = {}
+    recipes = {"looped": recipe, **baseline_recipes(recipe)}
+    for name in names:
+        if name == "lstm":
+            continue
+        _say(f"training {name} ({recipes[name].train.steps} steps)", quiet)
+        report = train(recipes[name], out / name, quiet=quiet)
+        model = load_run(out / name).model
+        models[name] = model
+        r = recipes[name]
+        info[name] = {"params_stored": report["params_stored"],
+                      "params_per_token_visit": report["params_per_token_visit"],
+                      "block_visits_per_token": r.model.n_prelude + r.model.n_coda + r.model.n_core * (
+                          r.depth.rounds if r.model.untied else report["mean_train_rounds"]),
+                      "train_wall_time_s": report["wall_time_s"], "train_loss_final": report["train_loss_final"]}
+    if "lstm" in names:
+        _say("training lstm", quiet)
+        models["lstm"], rep = train_lstm(recipe, out / "lstm", source, info["looped"]["params_stored"], quiet)
+        info["lstm"] = {"params_stored": rep["params_stored"], "hidden": rep["hidden"],
+                        "train_wall_time_s": rep["wall_time_s"], "train_loss_final": rep["train_loss_final"]}
+
+    _say("evaluating", quiet)
+    rounds_for = {"looped": list(range(1, eval_rounds_max + 1)), "lstm": [1],
+                  **{n: [recipes[n].depth.rounds] for n in recipes if n != "looped"}}
+    tables = {n: accuracy_table(models[n], tok, eval_sets, rounds_for[n]) for n in names}
+    accuracy = {n: {str(dd): {str(r): v["accuracy"] for r, v in row.items()} for dd, row in t.items()}
+                for n, t in tables.items()}
+    loss = {n: {str(dd): {str(r): v["loss"] for r, v in row.items()} for dd, row in t.items()}
+            for n, t in tables.items()}
+
+    probes: dict[str, Any] = {}
+    if d.probe_examples:
+        _say("probing the looped model's state after each round", quiet)
+        from .probes import run_probes
+        levels = sorted({source.train_levels[-1], source.eval_max})
+        raw = run_probes(models["looped"], tok, source, d.probe_examples, levels, eval_rounds_max)
+        probes = {k: {str(dd): ({str(r): a for r, a in v.items()} if isinstance(v, dict) else v)
+                      for dd, v in table.items()} for k, table in raw.items()}
+
+    lengths = prompt_tokens_by_difficulty(tok, eval_sets)
+    result = {
+        "task": d.task,
+        "train_difficulty_min": source.train_levels[0],
+        "train_difficulty_max": source.train_levels[-1],
+        "eval_difficulty_max": source.eval_max,
+        "train_rounds": {"min": recipe.depth.min_rounds, "max": recipe.depth.max_rounds},
+        "eval_rounds_max": eval_rounds_max,
+        "prompt_length": {"items": source.length, "tokens_by_difficulty": {str(k): v for k, v in lengths.items()}},
+        "eval_examples_per_difficulty": {str(k): len(v) for k, v in eval_sets.items()},
+        "models": accuracy,
+        "answer_loss": loss,
+        "model_info": info,
+        "probes": probes,
+        "recipe": recipe.to_dict(),
+        "out": str(out),
+        "wall_time_s": time.perf_counter() - t_start,
+    }
+    plots = write_heatmaps(out, result)
+    write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
+    write_text(out / "report.md", render_markdown(result, plots))
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+
+
+def _floats(table: dict[str, dict[str, float]]) -> dict[int, dict[int, float]]:
+    return {int(dd): {int(r): a for r, a in row.items()} for dd, row in table.items()}
+
+
+def write_heatmaps(out: Path, result: dict[str, Any]) -> list[str]:
+    """One heatmap per model: difficulty (rows) x rounds (columns) -> exact match."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    dmax, rmax = result["train_difficulty_max"], result["train_rounds"]["max"]
+    for model, table in result["models"].items():
+        t = _floats(table)
+        diffs = sorted(t)
+        rounds = sorted({r for row in t.values() for r in row})
+        grid = [[t[dd].get(r, math.nan) for r in rounds] for dd in diffs]
+        fig, ax = plt.subplots(figsize=(1.2 + 0.45 * len(rounds), 1.0 + 0.4 * len(diffs)))
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
+                        color="black" if v > 0.6 else "white")
+        ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
+        ax.set_yticks(range(len(diffs)), [str(dd) for dd in diffs])
+        ax.set_xlabel("rounds" if model == "looped" else "fixed depth (rounds of blocks)")
+        ax.set_ylabel("difficulty")
+        # the trained region: difficulties <= dmax (and, looped, rounds <= the training max)
+        y = diffs.index(dmax) + 0.5 if dmax in diffs else len(diffs) - 0.5
+        ax.axhline(y, color="white", linestyle="--", linewidth=1)
+        if model == "looped" and rmax in rounds:
+            ax.axvline(rounds.index(rmax) + 0.5, color="white", linestyle="--", linewidth=1)
+        ax.set_title(f"{model}: exact match ({result['task']})", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.tight_layout()
+        name = f"heatmap_{model}.png"
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """Best accuracy per model at the hardest evaluated difficulty, in words."""
+    top = str(result["eval_difficulty_max"])
+    lines = []
+    for model, table in result["models"].items():
+        row = table.get(top, {})
+        if row:
+            r, acc = max(row.items(), key=lambda kv: (kv[1], -int(kv[0])))
+            lines.append(f"{model}: {100 * acc:.1f}% at difficulty {top} (best over rounds; at {r} rounds)")
+    return lines
+
+
+def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
+    rec = result["recipe"]
+    pl = result["prompt_length"]
+    lines = [
+        f"# Depth extrapolation: {result['task']}", "",
+        f"Recipe `{rec['name']}`. Trained on difficulties {result['train_difficulty_min']}..{result['train_difficulty_max']} "
+        f"for {rec['train']['steps']} steps of {rec['train']['batch_size']} examples; the looped model ran "
+        f"{result['train_rounds']['min']}..{result['train_rounds']['max']} rounds in training and is evaluated at "
+        f"1..{result['eval_rounds_max']} rounds on difficulties up to {result['eval_difficulty_max']}.", "",
+        f"Prompt length is a separate dial: every prompt has {pl['items']} items (distractors pad easier "
+        "examples), so difficulty never shows in the length. Mean prompt tokens by difficulty: "
+        + ", ".join(f"{k}: {v:.0f}" for k, v in pl["tokens_by_difficulty"].items()) + ".", "",
+        "## Summary", "", *[f"- {s}" for s in summary_lines(result)], "",
+        "## Models", "", "| model | stored params | block visits per token | train wall s | final train loss |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, i in result["model_info"].items():
+        visits = i.get("block_visits_per_token")
+        lines.append(f"| {name} | {i['params_stored']:,} | {f'{visits:.2f}' if visits is not None else '(recurrent)'} "
+                     f"| {i['train_wall_time_s']:.0f} | {i['train_loss_final']:.4f} |")
+    lines += ["", "untied_same_params runs the looped model's blocks once each; untied_same_compute has "
+              "n_core x depth.max distinct blocks, the looped model's compute at its largest training depth; "
+              "the LSTM has about the looped model's stored parameters. Each has its own run folder here.", ""]
+    for name, table in result["models"].items():
+        lines += [f"## {name}: exact match (%)", "", markdown_table(_floats(table)), ""]
+        if f"heatmap_{name}.png" in plots:
+            lines += [f"![heatmap_{name}.png](heatmap_{name}.png)", ""]
+    probes = result.get("probes") or {}
+    if probes:
+        lines += ["## Probes (looped model)", "",
+                  "Linear probe accuracy (%) on the state after each round at the separator position "
+                  "(fit on half the examples, tested on the other half). `answer`: the answer's first token; "
+                  "`hop` (chains): the node reached after min(round, hops) links — one link per round makes it "
+                  "readable at every round. Chance (majority answer): "
+                  + ", ".join(f"difficulty {k}: {100 * v:.0f}%" for k, v in probes["chance"].items()) + ".", ""]
+        for target in [k for k in probes if k != "chance"]:
+            lines += [f"### {target}", "", markdown_table(_floats(probes[target])), ""]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,312 @@
+"""`looplm serve RUN`: an OpenAI-compatible completions server over the cached engine.
+
+    POST /v1/completions   {"prompt": "...", "max_tokens": 32, "temperature": 0, "stream": false, ...}
+    GET  /v1/models        the one model this server holds
+
+Requests are validated before anything runs (malformed JSON, wrong types, out-of-range values,
+a prompt longer than the limits or the context): the reply is a 4xx with an OpenAI-style
+`{"error": {"message", "type", "param", "code"}}` body, and the server keeps serving. More
+requests in flight than `max_concurrent` get 429.
+
+Concurrency. One worker thread owns the model. It takes the first waiting prompt, waits up to
+`batch_window_ms` for more (up to `max_batch` prompts), and runs them as one batch of the
+engine (left-padded rows; each row samples with its own parameters and seeded generator, so a
+request's output does not depend on its batch mates). Tokens flow back to each request through
+its own queue as they are sampled, which is what `stream: true` sends as server-sent events.
+Requests that arrive while a batch runs wait for the next batch (static batching).
+
+Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
+A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
+seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from .errors import UserError
+from .generation import Engine, SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeLimits:
+    """What one server accepts; every limit is configurable from `looplm serve`."""
+
+    max_prompt_tokens: int = 0
+    """Longest prompt in tokens (0 = the model context minus one)."""
+    max_tokens: int = 512
+    """Largest max_tokens a request may ask for (also bounded by the context)."""
+    max_concurrent: int = 64
+    """Prompts in flight (waiting or running) before new requests get 429."""
+    max_batch: int = 8
+    """Prompts decoded together in one batch."""
+    batch_window_ms: float = 5.0
+    """How long the worker waits for more prompts before starting a batch."""
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 0:
+            raise UserError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0 = context - 1)")
+        for name in ("max_tokens", "max_concurrent", "max_batch"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if not 0 <= self.batch_window_ms <= 10_000:
+            raise UserError(f"--batch-window-ms {self.batch_window_ms}: must lie in [0, 10000]")
+
+
+@dataclass
+class _Row:
+    """One prompt of one request, as the worker sees it."""
+
+    ids: list[int]
+    params: SamplingParams
+    send: Any          # called (from the worker thread) with a TokenEvent or an Exception
+
+
+class _Worker:
+    """The thread that owns the model and runs batches."""
+
+    def __init__(self, engine: Engine, limits: ServeLimits):
+        self.engine, self.limits = engine, limits
+        self.inbox: queue.Queue[_Row] = queue.Queue()
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="looplm-worker", daemon=True)
+        self.thread.start()
+
+    def try_reserve(self, n: int) -> bool:
+        with self.lock:
+            if self.in_flight + n > self.limits.max_concurrent:
+                return False
+            self.in_flight += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self.lock:
+            self.in_flight -= n
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        max_batch = 1 if self.engine.speculative else self.limits.max_batch
+        while not self.stopping.is_set():
+            try:
+                first = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            batch = [first]
+            deadline = time.monotonic() + self.limits.batch_window_ms / 1000
+            while len(batch) < max_batch:
+                left = deadline - time.monotonic()
+                try:
+                    batch.append(self.inbox.get(timeout=left) if left > 0 else self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                for ev in self.engine.stream([r.ids for r in batch], [r.params for r in batch]):
+                    batch[ev.row].send(ev)
+            except Exception as err:  # a bug or an engine error: fail this batch, keep serving
+                for r in batch:
+                    r.send(err)
+
+
+class CompletionRequest(BaseModel):
+    """The body of POST /v1/completions (OpenAI's fields; unknown ones are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: StrictInt = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    echo: StrictBool = False
+    logprobs: Literal[None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+def _seed(seed: int | None, temperature: float) -> int:
+    """A request without a seed: 0 when greedy (same prompt, same answer), else a fresh one."""
+    if seed is not None:
+        return seed
+    return 0 if temperature == 0 else uuid.uuid4().int % 2**31
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Any:
+    from fastapi.responses import JSONResponse
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimits | None = None) -> Any:
+    """The FastAPI app serving `engine` (the caller runs it, e.g. with uvicorn)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import StreamingResponse
+
+    limits = limits or ServeLimits()
+    if engine.tokenizer is None:
+        raise ValueError("serving needs an engine with a tokenizer")
+    ctx = engine.cfg.context
+    max_prompt = limits.max_prompt_tokens or ctx - 1
+    created = int(time.time())
+
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        state["worker"] = _Worker(engine, limits)
+        yield
+        state["worker"].stop()
+
+    app = FastAPI(title="looplm", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Any:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None              # the request field (not pydantic's union branch)
+        if first.get("type") == "json_invalid":
+            return _error(400, "request body is not valid JSON", None)
+        msg = first.get("msg", "invalid request")
+        return _error(400, f"{param}: {msg}" if param else msg, param)
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "looplm"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        if req.model not in (None, model_name):
+            return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                          "model", "not_found_error")
+        for name, ok in (("n", req.n == 1), ("echo", not req.echo),
+                         ("presence_penalty", req.presence_penalty == 0),
+                         ("frequency_penalty", req.frequency_penalty == 0)):
+            if not ok:
+                return _error(400, f"{name}: not supported by this server (use the default)", name)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts or len(prompts) > limits.max_batch:
+            return _error(400, f"prompt: give one string or a list of 1..{limits.max_batch} strings", "prompt")
+        if req.max_tokens > limits.max_tokens:
+            return _error(400, f"max_tokens: {req.max_tokens} exceeds this server's limit of {limits.max_tokens}",
+                          "max_tokens")
+        ids_list = []
+        for p in prompts:
+            ids = engine.tokenizer.encode(p)
+            if not ids:
+                return _error(400, "prompt: must not be empty", "prompt")
+            if len(ids) > max_prompt:
+                return _error(400, f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}", "prompt")
+            if len(ids) + req.max_tokens > ctx:
+                return _error(400, f"prompt: {len(ids)} tokens + max_tokens {req.max_tokens} exceed the model "
+                                   f"context of {ctx}", "prompt")
+            ids_list.append(ids)
+        try:
+            params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                    stop=() if req.stop is None else req.stop,
+                                    seed=_seed(req.seed, req.temperature))
+        except UserError as err:
+            field = str(err).split(" ")[0]
+            return _error(400, str(err), field)
+        worker: _Worker = state["worker"]
+        if not worker.try_reserve(len(ids_list)):
+            return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
+                          None, "rate_limit_error")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        for i, ids in enumerate(ids_list):
+            def send(ev: Any, i: int = i) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+            worker.inbox.put(_Row(ids=ids, params=params, send=send))
+        rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
+        n_rows = len(ids_list)
+
+        async def rows() -> Any:
+            """(choice index, TokenEvent) until every row finished; raises the worker's error."""
+            left = n_rows
+            try:
+                while left:
+                    i, ev = await events.get()
+                    if isinstance(ev, Exception):
+                        raise ev
+                    if ev.finish_reason:
+                        left -= 1
+                    yield i, ev
+            finally:
+                worker.release(n_rows)
+
+        def chunk(i: int, text: str, reason: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+        if req.stream:
+            async def sse() -> Any:
+                try:
+                    async for i, ev in rows():
+                        yield f"data: {json.dumps(chunk(i, ev.text, ev.finish_reason))}\n\n"
+                except Exception as err:
+                    yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        texts, toks = [""] * n_rows, [0] * n_rows
+        reasons: list[str | None] = [None] * n_rows
+        rounds: list[list[int]] = [[] for _ in range(n_rows)]
+        try:
+            async for i, ev in rows():
+                texts[i] += ev.text
+                toks[i] += 1
+                rounds[i].append(ev.rounds)
+                reasons[i] = ev.finish_reason or reasons[i]
+        except Exception as err:
+            return _error(500, f"generation failed: {err}", None, "server_error")
+        n_prompt = sum(map(len, ids_list))
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                "choices": [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i],
+                             "rounds_used": rounds[i]} for i in range(n_rows)],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": sum(toks),
+                          "total_tokens": n_prompt + sum(toks)}}
+
+    return app
+
+
+def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
+          engine_options: dict[str, Any] | None = None, log_level: str = "info") -> None:
+    """Load a run and serve it until interrupted."""
+    import sys
+
+    import uvicorn
+
+    from .checkpoint import load_run
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port}: must lie in 0..65535")
+    run = load_run(run_dir)
+    engine = Engine.from_run(run, **(engine_options or {}))
+    app = create_app(engine, model_name=run.path.resolve().name, limits=limits)
+    print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r})",
+          file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,373 @@
+"""Prompt/answer task data for the trainer: batches, answer-only masks, exact match, decoding.
+
+When a recipe sets `data.task` (a built-in generator of looplm.tasks, or a JSONL file of
+{"prompt", "answer"} lines) the trainer learns answers instead of a token stream:
+
+    TaskSource      where examples come from: a built-in generator (fresh examples for every
+                    batch, one prompt length at every difficulty, so length never tells the
+                    difficulty) or a JSONL file split into training and held-out examples
+    TaskSampler     the training batch of global micro-batch i: one difficulty per micro-batch
+                    (under the curriculum), right-padded, with the answer-only loss mask; with
+                    data.depth_by_difficulty also the rounds to run and the rounds to supervise
+    accuracy_table  exact-match accuracy and answer loss by difficulty x rounds
+    greedy_answers  batched greedy decoding of answers, the slow reference for exact match
+
+Exact match is scored teacher-forced: greedy decoding reproduces the answer iff, given the
+correct answer so far, the argmax at every answer position is the answer's next token (by
+induction over the answer). So one forward pass at the largest round count scores every
+round count at once, because a round's readout does not depend on later rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Recipe, SupervisionConfig
+from .errors import UserError
+from .losses import token_losses
+from .tasks import ANSWER_END, SEPARATOR, TASKS, Example, answer_mask, format_example, load_jsonl
+from .tokenizer import ByteTokenizer
+
+# Seeds of the generator streams. Training micro-batch i of run seed s draws from seed
+# s * TRAIN_STRIDE + i (>= 0); held-out and probe sets use negative seeds, so they never
+# share a stream with training.
+TRAIN_STRIDE = 1_000_000_000
+EVAL_SEED = -1
+PROBE_SEED = -2
+
+
+def is_builtin(task: str) -> bool:
+    return task in TASKS
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding
+
+
+@dataclass
+class TaskBatch:
+    """Right-padded examples. Row i holds prompt + answer; x = ids[:-1], y = ids[1:]."""
+
+    x: torch.Tensor           # (B, T) inputs, padded with the tokenizer's eos id
+    y: torch.Tensor           # (B, T) next-token targets
+    mask: torch.Tensor        # (B, T) True exactly at answer targets
+    prompt_lens: list[int]    # prompt tokens per row (incl. the separator)
+    lengths: list[int]        # prompt + answer tokens per row
+    difficulties: list[int]
+
+
+def _where(ex: Example) -> str:
+    if "line" in ex.meta:
+        return f"{ex.meta.get('source', 'data.task')}, line {ex.meta['line']}"
+    return f"{ex.meta.get('task', 'task')} example (difficulty {ex.difficulty})"
+
+
+def encode_examples(tok: Any, examples: list[Example], context: int | None = None) -> TaskBatch:
+    """Tokenize and right-pad examples; the mask comes from tasks.answer_mask."""
+    if not examples:
+        raise UserError("no examples to encode")
+    rows = []
+    for ex in examples:
+        prompt, answer = format_example(ex)
+        ids, mask = answer_mask(tok.encode(prompt), tok.encode(answer))
+        if context is not None and len(ids) - 1 > context:
+            raise UserError(f"{_where(ex)}: prompt + answer is {len(ids)} tokens, more than "
+                            f"model.context + 1 = {context + 1}; shorten it or raise model.context")
+        rows.append((ids, mask, len(ids) - len(tok.encode(answer))))
+    T = max(len(ids) for ids, _, _ in rows) - 1
+    pad = tok.eos_id
+    x = torch.full((len(rows), T), pad, dtype=torch.long)
+    y = torch.full((len(rows), T), pad, dtype=torch.long)
+    m = torch.zeros((len(rows), T), dtype=torch.bool)
+    for i, (ids, mask, _) in enumerate(rows):
+        n = len(ids) - 1
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, :n] = torch.tensor(ids[1:])
+        m[i, :n] = torch.tensor(mask)
+    return TaskBatch(x, y, m, [p for _, _, p in rows], [len(ids) for ids, _, _ in rows],
+                     [ex.difficulty for ex in examples])
+
+
+# ---------------------------------------------------------------------------------------
+# Where examples come from
+
+
+class TaskSource:
+    """A built-in generator or a JSONL file, with the recipe's difficulty and length dials."""
+
+    def __init__(self, recipe: Recipe):
+        d = recipe.data
+        self.task, self.seed = d.task, recipe.train.seed
+        self.builtin = is_builtin(d.task)
+        if self.builtin:
+            spec = TASKS[d.task]
+            if d.difficulty_min < spec.min_difficulty:
+                raise UserError(f"recipe field data.difficulty_min: {d.task} difficulties start at "
+                                f"{spec.min_difficulty}, got {d.difficulty_min}")
+            self.eval_max = d.eval_difficulty_max or 2 * d.difficulty_max
+            if spec.max_length is not None and self.eval_max > spec.max_length:
+                raise UserError(f"recipe field data.eval_difficulty_max: {d.task} allows difficulties up to "
+                                f"{spec.max_length}; {self.eval_max} was asked (0 means 2 x data.difficulty_max)")
+            self.length = d.task_length or spec.default_length(self.eval_max)
+            for level in range(d.difficulty_min, max(self.eval_max, d.difficulty_max) + 1):
+                try:
+                    spec(0, level, 0, self.length)  # validates the (difficulty, length) pair
+                except UserError as err:
+                    raise UserError(f"recipe field data.task_length = {self.length}: {err}") from None
+            self.train_levels = list(range(d.difficulty_min, d.difficulty_max + 1))
+            self.eval_levels = list(range(d.difficulty_min, self.eval_max + 1))
+            self._train_pool: dict[int, list[Example]] = {}
+            self._eval_pool: dict[int, list[Example]] = {}
+        else:
+            examples = load_jsonl(d.task)
+            for ex in examples:  # refuse, naming the line, before any training
+                encode_examples(ByteTokenizer(), [ex], recipe.model.context)
+            if len(examples) < 2:
+                raise UserError(f"{d.task}: needs at least 2 examples (one to train on, one held out)")
+            order = list(range(len(examples)))
+            random.Random(f"looplm.taskdata/split/{self.seed}").shuffle(order)
+            n_val = min(len(examples) - 1, max(1, round(d.val_fraction * len(examples))))
+            held, train = [examples[i] for i in order[:n_val]], [examples[i] for i in order[n_val:]]
+            self._train_pool, self._eval_pool = _by_level(train), _by_level(held)
+            self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
+            self.length, self.eval_max = None, max(self.eval_levels)
+
+    def train_examples(self, level: int, n: int, index: int) -> list[Example]:
+        """The n examples of training micro-batch `index`, all of difficulty `level`."""
+        if self.builtin:
+            return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, self.length))
+        rng = random.Random(f"looplm.taskdata/batch/{self.seed}/{index}")
+        return rng.choices(self._train_pool[level], k=n)
+
+    def eval_sets(self, n: int, seed: int = EVAL_SEED, levels: list[int] | None = None) -> dict[int, list[Example]]:
+        """Held-out examples by difficulty: n fresh ones per level (a JSONL file: its held-out split)."""
+        levels = self.eval_levels if levels is None else levels
+        if self.builtin:
+            return {lv: list(TASKS[self.task](seed, lv, n, self.length)) for lv in levels}
+        return {lv: self._eval_pool[lv] for lv in levels if lv in self._eval_pool}
+
+    def train_token_count(self) -> int | None:
+        """Tokens in the training split of a JSONL file (None for a generator: unbounded)."""
+        if self.builtin:
+            return None
+        return sum(len((ex.prompt + SEPARATOR + ex.answer + ANSWER_END).encode()) for pool in
+                   self._train_pool.values() for ex in pool)
+
+
+def _by_level(examples: list[Example]) -> dict[int, list[Example]]:
+    out: dict[int, list[Example]] = {}
+    for ex in examples:
+        out.setdefault(ex.difficulty, []).append(ex)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Training batches
+
+
+class TaskSampler:
+    """Training batches as a pure function of (seed, global micro-batch index)."""
+
+    def __init__(self, source: TaskSource, tok: Any, recipe: Recipe):
+        self.source, self.tok, self.recipe = source, tok, recipe
+        self._seen: set[int] = set()
+        self._unique_tokens = 0
+
+    def level(self, index: int) -> int:
+        """The difficulty of micro-batch `index`: uniform over the levels the curriculum allows."""
+        levels, r = self.source.train_levels, self.recipe
+        ramp = r.data.curriculum * r.train.steps
+        step = index // r.train.grad_accum
+        allowed = len(levels) if ramp <= 0 else min(len(levels), 1 + int(len(levels) * step / ramp))
+        return levels[random.Random(f"looplm.taskdata/level/{r.train.seed}/{index}").randrange(allowed)]
+
+    def depth_plan(self, level: int, index: int) -> tuple[int, SupervisionConfig]:
+        """data.depth_by_difficulty: (rounds to run, supervision of every round from `level` on)."""
+        d, r = self.recipe.depth, self.recipe
+        if r.model.untied or d.kind == "fixed":
+            rounds = d.rounds
+        else:
+            lo = max(level, d.min, 1)
+            hi = max(lo, d.max)
+            rounds = random.Random(f"looplm.taskdata/rounds/{r.train.seed}/{index}").randint(lo, hi)
+        first = max(1, min(level, rounds))
+        return rounds, SupervisionConfig(kind="rounds", rounds=tuple(range(first, rounds + 1)))
+
+    def examples(self, index: int) -> list[Example]:
+        return self.source.train_examples(self.level(index), self.recipe.train.batch_size, index)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(x, y, train_step options): the options carry the answer mask and, with
+        data.depth_by_difficulty, the rounds and supervision for this micro-batch."""
+        examples = self.examples(index)
+        b = encode_examples(self.tok, examples, self.recipe.model.context)
+        for ex, n in zip(examples, b.lengths):
+            key = int.from_bytes(hashlib.blake2b(f"{ex.prompt}\0{ex.answer}".encode(), digest_size=8).digest(),
+                                 "little", signed=True)
+            if key not in self._seen:
+                self._seen.add(key)
+                self._unique_tokens += n
+        opts: dict[str, Any] = {"mask": b.mask}
+        if self.recipe.data.depth_by_difficulty:
+            opts["rounds"], opts["supervision"] = self.depth_plan(examples[0].difficulty, index)
+        return b.x, b.y, opts
+
+    def unique_tokens(self) -> int:
+        """Tokens of the distinct examples trained on so far."""
+        return self._unique_tokens
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"seen": torch.tensor(sorted(self._seen), dtype=torch.long),
+                "unique_tokens": torch.tensor(self._unique_tokens, dtype=torch.long)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._seen = set(state["seen"].tolist())
+        self._unique_tokens = int(state["unique_tokens"])
+
+
+def prepare_task_data(recipe: Recipe, run_dir: Path):
+    """The trainer's data for a task recipe: (tokenizer, TaskSampler, TaskSource)."""
+    tok = ByteTokenizer()
+    if tok.vocab_size > recipe.model.vocab_size:
+        raise UserError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+    source = TaskSource(recipe)
+    tok.save(Path(run_dir) / "checkpoint")
+    return tok, TaskSampler(source, tok, recipe), source
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation
+
+
+def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[int]) -> dict[int, torch.Tensor]:
+    """round -> (B, T, V) logits. A looped model reads every round out of one forward pass at the
+    largest depth (a fixed generator keeps a random initial state reproducible); a model without
+    rounds (the LSTM) gives the same logits for every entry."""
+    from .model import LoopedLM
+
+    if isinstance(model, LoopedLM):
+        out = model(x, max(rounds_list), readout_rounds=tuple(rounds_list),
+                    generator=torch.Generator().manual_seed(0))
+        return out.round_logits
+    logits = model(x)
+    return {r: logits for r in rounds_list}
+
+
+@torch.no_grad()
+def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
+                      batch_size: int = 64) -> dict[int, dict[str, float]]:
+    """rounds -> {"accuracy": exact match, "loss": mean answer-token loss} over `examples`."""
+    model.eval()
+    correct = {r: 0 for r in rounds_list}
+    loss_sum = {r: 0.0 for r in rounds_list}
+    tokens = 0
+    context = getattr(getattr(model, "cfg", None), "context", None)
+    for i in range(0, len(examples), batch_size):
+        b = encode_examples(tok, examples[i:i + batch_size], context)
+        for r, logits in logits_by_rounds(model, b.x, rounds_list).items():
+            hit = (logits.argmax(-1) == b.y) | ~b.mask          # (B, T)
+            correct[r] += int(hit.all(-1).sum())
+            loss_sum[r] += token_losses(logits, b.y, b.mask).sum().item()
+        tokens += int(b.mask.sum())
+    n = max(1, len(examples))
+    return {r: {"accuracy": correct[r] / n, "loss": loss_sum[r] / max(1, tokens)} for r in rounds_list}
+
+
+def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],
+                   rounds_list: list[int], batch_size: int = 64) -> dict[int, dict[int, dict[str, float]]]:
+    """difficulty -> rounds -> {"accuracy", "loss"}."""
+    return {d: evaluate_examples(model, tok, exs, rounds_list, batch_size) for d, exs in eval_sets.items()}
+
+
+@torch.no_grad()
+def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds: int | None = None,
+                   max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
+    """Greedy answers to prompts (the separator is appended here), each up to its newline.
+
+    Rows are right-padded; each row's next token is read at its own last position, which
+    causal attention makes independent of the padding after it."""
+    model.eval()
+    eos, newline = tok.eos_id, tok.encode(ANSWER_END)
+    if len(newline) != 1:
+        raise UserError("greedy_answers needs a tokenizer that encodes the newline as one token")
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        ids = [tok.encode(p + SEPARATOR) for p in prompts[start:start + batch_size]]
+        B, lens = len(ids), torch.tensor([len(i) for i in ids])
+        buf = torch.full((B, int(lens.max()) + max_new_tokens), eos, dtype=torch.long)
+        for i, row in enumerate(ids):
+            buf[i, :len(row)] = torch.tensor(row)
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            T = int(lens.max())
+            r = rounds if rounds is not None else getattr(model, "nominal_rounds", 1)
+            logits = logits_by_rounds(model, buf[:, :T], [r])[r]          # (B, T, V)
+            nxt = logits[torch.arange(B), lens - 1].argmax(-1)           # (B,)
+            for i in range(B):
+                if done[i]:
+                    continue
+                out[i].append(int(nxt[i]))
+                buf[i, lens[i]] = nxt[i]
+                lens[i] += 1
+                done[i] = int(nxt[i]) == newline[0]
+            if bool(done.all()):
+                break
+        answers += [tok.decode(o[:-1] if o and o[-1] == newline[0] else o) for o in out]
+    return answers
+
+
+def prompt_tokens_by_difficulty(tok: Any, eval_sets: dict[int, list[Example]]) -> dict[int, float]:
+    """Mean prompt tokens per difficulty (the length dial, reported apart from difficulty)."""
+    return {d: sum(len(tok.encode(format_example(ex)[0])) for ex in exs) / max(1, len(exs))
+            for d, exs in eval_sets.items()}
+
+
+def markdown_table(table: dict[int, dict[int, float]], corner: str = "difficulty \\ rounds") -> str:
+    """difficulty -> rounds -> accuracy as a Markdown table (percent)."""
+    rounds = sorted({r for row in table.values() for r in row})
+    lines = [f"| {corner} | " + " | ".join(str(r) for r in rounds) + " |",
+             "|---:|" + "---:|" * len(rounds)]
+    for d, row in sorted(table.items()):
+        cells = [f"{100 * row[r]:.0f}" if r in row else "" for r in rounds]
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, source: TaskSource,
+                rounds_list: list[int]) -> dict[str, Any]:
+    """The trainer's report fields for task data: answer loss and exact match by rounds, and
+    the accuracy table by difficulty x rounds (with prompt lengths reported apart)."""
+    eval_sets = source.eval_sets(recipe.data.eval_examples)
+    table = accuracy_table(model, sampler.tok, eval_sets, rounds_list)
+    examples = [ex for exs in eval_sets.values() for ex in exs]
+    overall = evaluate_examples(model, sampler.tok, examples, rounds_list)
+    acc = {d: {r: v["accuracy"] for r, v in row.items()} for d, row in table.items()}
+    lengths = prompt_tokens_by_difficulty(sampler.tok, eval_sets)
+    note = (f"Task `{recipe.data.task}`, exact match (%) on {recipe.data.eval_examples} held-out examples per "
+            f"difficulty; trained on difficulties {source.train_levels[0]}..{source.train_levels[-1]}. "
+            f"Prompt length: {source.length if source.length is not None else 'as in the file'} items; mean prompt "
+            f"tokens by difficulty: " + ", ".join(f"{d}: {n:.0f}" for d, n in lengths.items()) + ".")
+    report = {
+        "val": {r: {"loss": v["loss"]} for r, v in overall.items()},
+        "val_accuracy_by_rounds": {str(r): v["accuracy"] for r, v in overall.items()},
+        "task": recipe.data.task,
+        "task_accuracy": {str(d): {str(r): a for r, a in row.items()} for d, row in acc.items()},
+        "prompt_length_items": source.length,
+        "prompt_tokens_by_difficulty": {str(d): n for d, n in lengths.items()},
+        "train_data_tokens": source.train_token_count() or sampler.unique_tokens(),
+        "sections": [{"title": "Task accuracy by difficulty x rounds", "markdown": note + "\n\n" + markdown_table(acc)}],
+    }
+    if recipe.data.depth_by_difficulty:  # the recipe card's depth/supervision lines are overridden
+        report["sections"].insert(0, {"title": "Depth by difficulty", "markdown": (
+            "data.depth_by_difficulty is on: each micro-batch held one difficulty d, ran a number of rounds drawn "
+            "uniformly from max(d, depth.min)..depth.max (an untied model: its fixed depth), and supervised every "
+            "round from d on with equal weights. The sampled-depth and supervised-round histograms above count "
+            "what actually ran.")})
+    return report

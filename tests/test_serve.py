@@ -1,0 +1,179 @@
+"""`looplm serve` against a real uvicorn process on 127.0.0.1 (a free port, shut down at the end).
+
+Every wait is bounded: the server must come up within 60 s and every request has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+import looplm
+from looplm.checkpoint import save_checkpoint, write_text
+from looplm.tokenizer import ByteTokenizer
+
+TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
+        "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
+MAX_CONCURRENT = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run = tmp_path_factory.mktemp("served")
+    recipe = looplm.load_recipe("quickstart", overrides=TINY)
+    torch.manual_seed(0)
+    save_checkpoint(run, looplm.build_model(recipe), {"step": 0})
+    ByteTokenizer().save(run / "checkpoint")
+    write_text(run / "recipe.toml", recipe.to_toml())
+    port = free_port()
+    log = open(run / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "looplm", "serve", str(run), "--port", str(port),
+                             "--max-tokens", "40", "--max-prompt-tokens", "48", "--max-batch", "4",
+                             "--max-concurrent", str(MAX_CONCURRENT), "--batch-window-ms", "20", "--threads", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(run / 'server.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not come up within 60 s")
+            time.sleep(0.2)
+        yield {"base": base, "name": run.name}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        log.close()
+
+
+def post(server, body, timeout=60.0):
+    return httpx.post(f"{server['base']}/v1/completions", json=body, timeout=timeout)
+
+
+def test_models_lists_the_run(server):
+    r = httpx.get(f"{server['base']}/v1/models", timeout=10)
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == [server["name"]]
+
+
+def test_completion_shape_and_greedy_determinism(server):
+    body = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
+    a, b = post(server, body), post(server, body)
+    assert a.status_code == b.status_code == 200
+    ja = a.json()
+    assert ja["object"] == "text_completion" and ja["choices"][0]["finish_reason"] == "length"
+    assert ja["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert len(ja["choices"][0]["rounds_used"]) == 8
+    assert ja["choices"][0]["text"] == b.json()["choices"][0]["text"]
+
+
+def test_streaming_sends_the_same_text_as_events(server):
+    body = {"prompt": "stream me", "max_tokens": 10, "temperature": 0, "seed": 7}
+    whole = post(server, body).json()["choices"][0]["text"]
+    pieces, reasons, done = [], [], False
+    with httpx.stream("POST", f"{server['base']}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                done = True
+                break
+            choice = json.loads(data)["choices"][0]
+            pieces.append(choice["text"])
+            reasons.append(choice["finish_reason"])
+    assert done and len(pieces) == 10 and reasons[-1] == "length" and reasons[:-1] == [None] * 9
+    assert "".join(pieces) == whole
+
+
+def test_concurrent_clients_get_their_own_answers(server):
+    bodies = [{"prompt": f"prompt number {i}" * (1 + i % 3), "max_tokens": 6 + i, "temperature": 0.8 * (i % 2),
+               "seed": i} for i in range(MAX_CONCURRENT)]
+    alone = [post(server, b).json()["choices"][0]["text"] for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: post(server, b), bodies))
+    assert all(r.status_code == 200 for r in together)
+    assert [r.json()["choices"][0]["text"] for r in together] == alone     # batching changes nothing
+    assert [r.json()["usage"]["completion_tokens"] for r in together] == [b["max_tokens"] for b in bodies]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": 42}, 400, "prompt"),
+    ({"prompt": "x" * 49}, 400, "prompt"),
+    ({"prompt": "x" * 40, "max_tokens": 30}, 400, "prompt"),
+    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "model": "someone-else"}, 404, "model"),
+])
+def test_bad_requests_get_4xx_with_a_clear_message(server, body, status, param):
+    r = post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+
+
+def test_malformed_json_and_wrong_shapes(server):
+    for raw in ('{"prompt": "hi",', "[1, 2]", "null", "not json"):
+        r = httpx.post(f"{server['base']}/v1/completions", content=raw,
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400 and "error" in r.json()
+
+
+def test_a_too_long_prompt_is_rejected_without_harming_others(server):
+    good = {"prompt": "good request", "max_tokens": 12, "temperature": 0}
+    want = post(server, good).json()["choices"][0]["text"]
+    bad = {"prompt": "y" * 200, "max_tokens": 5}
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post, server, b) for b in (good, bad, good, bad)]
+        results = [f.result() for f in futures]
+    assert [r.status_code for r in results] == [200, 400, 200, 400]
+    assert all(r.json()["choices"][0]["text"] == want for r in results[::2])
+    assert "exceeds" in results[1].json()["error"]["message"]
+    assert post(server, good).status_code == 200      # still serving
+
+
+def test_too_many_requests_get_429_and_the_rest_succeed(server):
+    body = {"prompt": "busy busy", "max_tokens": 40, "temperature": 0}
+    with ThreadPoolExecutor(3 * MAX_CONCURRENT) as pool:
+        results = list(pool.map(lambda _: post(server, body), range(3 * MAX_CONCURRENT)))
+    codes = [r.status_code for r in results]
+    assert set(codes) <= {200, 429} and 200 in codes
+    texts = {r.json()["choices"][0]["text"] for r in results if r.status_code == 200}
+    assert len(texts) == 1
+    for r in results:
+        if r.status_code == 429:
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    assert post(server, {"prompt": "after", "max_tokens": 2}).status_code == 200

@@ -1,0 +1,183 @@
+"""Training on prompt/answer task data: the answer-only mask through the real batching code,
+exact match vs greedy decoding, the difficulty/length/curriculum dials, JSONL errors via the CLI,
+and that training on a task lowers the answer loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import looplm
+from looplm.cli import main
+from looplm.errors import UserError
+from looplm.taskdata import (TaskSampler, TaskSource, encode_examples, evaluate_examples, greedy_answers,
+                             prompt_tokens_by_difficulty)
+from looplm.tasks import ANSWER_END, SEPARATOR, Example
+from looplm.tokenizer import ByteTokenizer
+from looplm.train import train
+
+TOK = ByteTokenizer()
+TASK = {  # a tiny looped model on chains, small enough to train in seconds
+    "model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2, "model.n_prelude": 1, "model.n_core": 1,
+    "model.n_coda": 0, "model.init_state": "prelude", "model.injection": "add", "model.state_norm": True,
+    "depth.kind": "uniform", "depth.min": 1, "depth.max": 3, "depth.rounds": 3, "backward.window": "all",
+    "data.task": "chain", "data.difficulty_min": 1, "data.difficulty_max": 2, "data.eval_examples": 16,
+    "train.batch_size": 16, "train.steps": 4, "train.log_every": 2, "train.checkpoint_every": 100,
+    "train.threads": 1, "optim.warmup_steps": 2,
+}
+
+
+def task_recipe(**overrides):
+    return looplm.load_recipe("quickstart", overrides={**TASK, **overrides})
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def check_mask(x, y, mask, examples):
+    """Every row's masked targets are exactly its answer + newline; nothing else is masked."""
+    for i, ex in enumerate(examples):
+        want = TOK.encode(ex.answer + ANSWER_END)
+        assert y[i][mask[i]].tolist() == want
+        first = int(mask[i].nonzero()[0])
+        # the first answer target is predicted from the separator, the prompt's last token
+        assert x[i, first].item() == TOK.encode(SEPARATOR)[0]
+        assert TOK.decode(x[i, :first + 1].tolist()) == ex.prompt + SEPARATOR
+        assert mask[i].sum() == len(want)
+
+
+def test_answer_mask_covers_exactly_the_answer_through_the_sampler():
+    recipe = task_recipe(**{"data.depth_by_difficulty": True})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    for index in range(3):
+        x, y, opts = sampler.batch(index)
+        check_mask(x, y, opts["mask"], sampler.examples(index))
+        assert x.shape == y.shape == opts["mask"].shape
+
+
+def test_answer_mask_with_ragged_jsonl_prompts(tmp_path):
+    rows = [{"prompt": "a" * n, "answer": "x" * (1 + n % 3)} for n in range(1, 13)]
+    recipe = task_recipe(**{"data.task": str(write_jsonl(tmp_path / "d.jsonl", rows)), "data.val_fraction": 0.25})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    x, y, opts = sampler.batch(0)
+    examples = sampler.examples(0)
+    assert len({len(e.prompt) for e in examples}) > 1  # really ragged
+    check_mask(x, y, opts["mask"], examples)
+    # padding after a short row is never a target
+    lengths = torch.tensor([len(TOK.encode(e.prompt + SEPARATOR + e.answer + ANSWER_END)) - 1 for e in examples])
+    pos = torch.arange(x.shape[1])
+    assert not opts["mask"][pos[None, :] >= lengths[:, None]].any()
+
+
+def test_prompt_length_is_the_same_at_every_difficulty():
+    source = TaskSource(task_recipe())
+    assert source.length == 8  # chain default at eval difficulty 2 x 2 = 4
+    sets = source.eval_sets(10)
+    assert sorted(sets) == [1, 2, 3, 4]
+    assert len(set(prompt_tokens_by_difficulty(TOK, sets).values())) == 1
+    # training and held-out streams differ
+    train = {e.prompt for e in source.train_examples(2, 50, 0)}
+    assert not train & {e.prompt for e in sets[2]}
+
+
+def test_curriculum_and_depth_by_difficulty():
+    recipe = task_recipe(**{"data.difficulty_max": 3, "depth.max": 5, "data.curriculum": 0.5,
+                            "data.depth_by_difficulty": True, "train.steps": 100})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    early = {sampler.level(i) for i in range(0, 16)}  # steps < 100 * 0.5 / 3: only the easiest level
+    late = {sampler.level(i) for i in range(60, 100)}
+    assert early == {1} and late == {1, 2, 3}
+    for i in range(60, 100):
+        level = sampler.level(i)
+        rounds, sup = sampler.depth_plan(level, i)
+        assert level <= rounds <= 5
+        assert sup.rounds == tuple(range(level, rounds + 1))
+    # deterministic in (seed, index)
+    assert [sampler.level(i) for i in range(50)] == [TaskSampler(sampler.source, TOK, recipe).level(i) for i in range(50)]
+
+
+def test_bad_task_dials_are_user_errors():
+    with pytest.raises(UserError, match="data.difficulty_max"):
+        task_recipe(**{"data.difficulty_max": 0, "data.difficulty_min": 1})
+    with pytest.raises(UserError, match="data.eval_difficulty_max"):
+        TaskSource(task_recipe(**{"data.difficulty_max": 14}))  # 2 x 14 > 26 names
+    with pytest.raises(UserError, match="data.task_length"):
+        TaskSource(task_recipe(**{"data.task_length": 3}))  # 4 hops need 4 statements
+    with pytest.raises(UserError, match="data.tokenizer"):
+        task_recipe(**{"data.tokenizer": "bpe", "model.vocab_size": 400})
+    with pytest.raises(UserError, match="unknown task|cannot read"):
+        TaskSource(task_recipe(**{"data.task": "no_such_task"}))
+
+
+class Bigram(torch.nn.Module):
+    """Next token from the current token only: '>' -> '7', '7' -> newline, anything else -> '3'."""
+
+    def forward(self, idx):
+        table = torch.full((257, 257), -10.0)
+        table[:, ord("3")] = 0.0
+        table[ord(">")] = -10.0
+        table[ord(">"), ord("7")] = 0.0
+        table[ord("7")] = -10.0
+        table[ord("7"), ord("\n")] = 0.0
+        return table[idx]
+
+
+def test_exact_match_equals_greedy_decoding():
+    examples = [Example(f"q{i}" * (1 + i % 4), a, 0) for i, a in enumerate(["7", "7", "3", "7", "73", "7", "1"])]
+    model = Bigram()
+    greedy = greedy_answers(model, TOK, [e.prompt for e in examples], max_new_tokens=4, batch_size=3)
+    assert greedy == ["7"] * len(examples)
+    acc = evaluate_examples(model, TOK, examples, [1], batch_size=3)[1]["accuracy"]
+    assert acc == sum(g == e.answer for g, e in zip(greedy, examples)) / len(examples) == 4 / 7
+
+
+def test_greedy_decoding_of_a_looped_model_matches_exact_match():
+    recipe = task_recipe()
+    torch.manual_seed(1)
+    model = looplm.build_model(recipe)
+    examples = TaskSource(recipe).eval_sets(12)[2]
+    greedy = greedy_answers(model, TOK, [e.prompt for e in examples], rounds=2, max_new_tokens=3)
+    acc = evaluate_examples(model, TOK, examples, [2])[2]["accuracy"]
+    assert acc == sum(g == e.answer for g, e in zip(greedy, examples)) / len(examples)
+
+
+def test_training_on_a_task_reduces_answer_loss(tmp_path):
+    recipe = task_recipe(**{"train.steps": 40, "data.difficulty_max": 1, "data.depth_by_difficulty": True,
+                            "optim.lr": 3e-3, "optim.warmup_steps": 5})
+    source = TaskSource(recipe)
+    examples = source.eval_sets(32)[1]
+    torch.manual_seed(recipe.train.seed)
+    before = evaluate_examples(looplm.build_model(recipe), TOK, examples, [1])[1]["loss"]
+    report = train(recipe, tmp_path / "run", quiet=True)
+    after = evaluate_examples(looplm.load_run(tmp_path / "run").model, TOK, examples, [1])[1]["loss"]
+    assert after < 0.5 * before
+    assert report["task"] == "chain"
+    assert set(report["task_accuracy"]) == {"1", "2"}
+    assert all(0 <= a <= 1 for row in report["task_accuracy"].values() for a in row.values())
+    assert "Task accuracy" in (tmp_path / "run" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("content, line, what", [
+    (b'{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": "d"}\n{"prompt": "e"}\n', 3, "answer"),
+    (b'{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": ""}\n', 2, "empty"),
+    (b'{"prompt": "a", "answer": "b"}\n\n{"prompt": "\xff\xfe", "answer": "x"}\n', 3, "UTF-8"),
+])
+def test_jsonl_errors_exit_2_with_the_line_number(tmp_path, capsys, content, line, what):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    code = main(["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"line {line}" in err and what in err and str(path) in err
+    assert "Traceback" not in err
+
+
+def test_jsonl_prompt_longer_than_the_context_names_the_line(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "a", "answer": "b"}] * 3 + [{"prompt": "z" * 500, "answer": "b"}])
+    code = main(["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "line 4" in err and "model.context" in err
