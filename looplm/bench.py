@@ -71,6 +71,36 @@ def _prompts(batch: int, vocab: int) -> Any:
     return torch.randint(0, vocab, (batch, PROMPT_LEN), generator=g)
 
 
+# The peers' models, shared by `bench decode` and `bench train`.
+
+def hf_llama(quick: bool) -> Any:
+    """transformers LlamaForCausalLM: 8 layers of the bench-s block shape."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = 64 if quick else 256
+    cfg = LlamaConfig(vocab_size=512 if quick else 4096, hidden_size=d, intermediate_size=176 if quick else 704,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, head_dim=d // 4,
+                      max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                      attention_bias=False, mlp_bias=False)
+    return LlamaForCausalLM(cfg)
+
+
+def xt_looped(quick: bool) -> Any:
+    """x-transformers TransformerWrapper(looped=True): 2 layers x 4 loops of the bench-s width."""
+    import torch
+    from x_transformers import Decoder, TransformerWrapper
+
+    torch.manual_seed(0)
+    d = 64 if quick else 256
+    return TransformerWrapper(
+        num_tokens=512 if quick else 4096, max_seq_len=256, use_abs_pos_emb=False, looped=True, max_looped_steps=4,
+        tie_embedding=True,
+        attn_layers=Decoder(dim=d, depth=2, heads=4, attn_dim_head=d // 4, rotary_pos_emb=True, ff_glu=True,
+                            ff_swish=True, ff_mult=2.75, ff_no_bias=True, use_rmsnorm=True, pre_and_post_norm=True))
+
+
 # Each setup_* builds one engine and returns (run_once, info): run_once() -> one timed run's numbers.
 
 def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
@@ -111,19 +141,12 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 def setup_hf(spec: dict[str, Any]) -> tuple[Any, Any]:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.generation.streamers import BaseStreamer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    torch.manual_seed(0)
-    q = spec["quick"]
-    d = 64 if q else 256
-    cfg = LlamaConfig(vocab_size=512 if q else 4096, hidden_size=d, intermediate_size=176 if q else 704,
-                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, head_dim=d // 4,
-                      max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                      attention_bias=False, mlp_bias=False)
-    model = LlamaForCausalLM(cfg).eval()
+    model = hf_llama(spec["quick"]).eval()
+    cfg = model.config
     B, N = spec["batch"], spec["new_tokens"]
     x = _prompts(B, cfg.vocab_size)
     mask = torch.ones_like(x)
@@ -163,17 +186,10 @@ def setup_hf(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 def setup_xtransformers(spec: dict[str, Any]) -> tuple[Any, Any]:
     import torch
-    from x_transformers import AutoregressiveWrapper, Decoder, TransformerWrapper
+    from x_transformers import AutoregressiveWrapper
 
-    torch.manual_seed(0)
     q = spec["quick"]
-    d = 64 if q else 256
-    net = TransformerWrapper(
-        num_tokens=512 if q else 4096, max_seq_len=256, use_abs_pos_emb=False, looped=True, max_looped_steps=4,
-        tie_embedding=True,
-        attn_layers=Decoder(dim=d, depth=2, heads=4, attn_dim_head=d // 4, rotary_pos_emb=True, ff_glu=True,
-                            ff_swish=True, ff_mult=2.75, ff_no_bias=True, use_rmsnorm=True, pre_and_post_norm=True))
-    wrapper = AutoregressiveWrapper(net).eval()
+    wrapper = AutoregressiveWrapper(xt_looped(q)).eval()
     B, N = spec["batch"], spec["new_tokens"]
     x = _prompts(B, 512 if q else 4096)
 
@@ -218,10 +234,10 @@ def _row_specs(new_tokens: int, quick: bool, peers: bool) -> list[dict[str, Any]
 class _RowProcess:
     """One row's engine in its own interpreter (its own peak memory), driven one timed run at a time."""
 
-    def __init__(self, spec: dict[str, Any], threads: int):
+    def __init__(self, spec: dict[str, Any], threads: int, module: str = "looplm.bench"):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         self.spec = spec
-        self.proc = subprocess.Popen([sys.executable, "-m", "looplm.bench", "--row", json.dumps({**spec, "threads": threads})],
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "--row", json.dumps({**spec, "threads": threads})],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env)
 

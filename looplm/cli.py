@@ -140,6 +140,15 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from .bench_train import bench_train, train_lines
+
+    result = bench_train(runs=args.runs, steps=args.steps, threads=args.threads, quick=args.quick,
+                         peers=not args.no_peers)
+    _emit(result, args.json, "\n".join(train_lines(result)))
+    return 0
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from .checkpoint import load_run
     from .checks import run_checks
@@ -249,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--no-peers", action="store_true", help="skip the hf-llama and x-transformers rows")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=cmd_bench_decode)
+    bt = bsub.add_parser("train", help="training tokens/s, MFU and memory vs HF and x-transformers")
+    bt.add_argument("--runs", type=int, default=5, help="timed runs per row (the median is reported)")
+    bt.add_argument("--steps", type=int, default=3, help="optimizer steps per timed run")
+    bt.add_argument("--threads", type=int, default=1, help="torch CPU threads for every engine (default 1)")
+    bt.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
+    bt.add_argument("--no-peers", action="store_true", help="skip the hf-llama and x-transformers rows")
+    bt.add_argument("--json", action="store_true")
+    bt.set_defaults(func=cmd_bench_train)
 
     c = sub.add_parser("check", help="the seeds' checks before claiming a saving, against a run")
     c.add_argument("run")

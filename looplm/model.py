@@ -331,7 +331,7 @@ class LoopedLM(nn.Module):
         cfg = self.cfg
         c = self.param_groups_by_role()
         attn_per_block = 2 * 2 * cfg.n_heads * cfg.head_dim * (seq_len / 2)   # QK and AV, fwd
-        block_mm = (c["core"] / (cfg.n_core * (self.nominal_rounds if cfg.untied else 1)))
+        block_mm = sum(p.numel() for p in self.core[0].parameters() if p.dim() == 2)  # norms are not matmuls
         block_fwd = 2 * block_mm + attn_per_block
         per_round_fwd = cfg.n_core * block_fwd + 2 * (c["adapter"] + c["gate"])
         fixed_fwd = (cfg.n_prelude + cfg.n_coda) * block_fwd + 2 * cfg.d_model * cfg.vocab_size
