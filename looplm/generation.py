@@ -48,6 +48,7 @@ from torch import Tensor
 from .cache import MISSING, LoopKVCache, check_policy
 from .errors import UserError
 from .halting import ExitPolicy, parse_exit_policy, should_exit
+from .engine import unroll
 from .model import initial_noise_table
 
 
@@ -303,8 +304,7 @@ class Engine:
         exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
         if not exits:
             R = rounds or self.rounds
-            for r in range(1, R + 1):
-                s = k.core_step(s, e, r, rope, cache)
+            s = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R).state
             logits = k.readout(s, rope, cache, R, all_logits)
             if commit:
                 cache.commit(R)
