@@ -367,6 +367,12 @@ def _row_main(spec_text: str) -> None:
     spec = json.loads(spec_text)
     torch.set_num_threads(spec["threads"])
     run_once, info = SETUPS[spec["engine"]](spec)
+    answer_row_commands(run_once, info)
+
+
+def answer_row_commands(run_once: Any, info: Any) -> None:
+    """The row worker's protocol on stdin/stdout, one JSON line per command: "ready" (an untimed
+    warm-up run), "run" (one timed run's numbers), "info" (row details and peak memory)."""
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "ready":

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from .bench import BENCH_S, QUICK, _RowProcess, _rss, hf_llama, xt_looped
+from .bench import BENCH_S, QUICK, _RowProcess, answer_row_commands, hf_llama, xt_looped
 
 BATCH, SEQ = 8, 256
 PEER_MODULES = {"hf-llama": "transformers", "x-transformers": "x_transformers"}
@@ -156,27 +156,19 @@ def train_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _row_main(spec_text: str) -> None:
-    """A row worker: "ready" (warm-up step), "run" (`steps` timed steps, mean seconds per step), "info"."""
+    """A row worker: "run" times `steps` optimizer steps and reports mean seconds per step."""
     import torch
     spec = json.loads(spec_text)
     torch.set_num_threads(spec["threads"])
     step, model = _step_fn(spec["engine"], spec["quick"])
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # shared tensors once
-    for line in sys.stdin:
-        cmd = line.strip()
-        if cmd == "ready":
+
+    def run_once() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        for _ in range(spec["steps"]):
             step()
-            reply: dict[str, Any] = {"ok": True}
-        elif cmd == "run":
-            t0 = time.perf_counter()
-            for _ in range(spec["steps"]):
-                step()
-            reply = {"step_s": (time.perf_counter() - t0) / spec["steps"]}
-        elif cmd == "info":
-            reply = {"params": params, "peak_rss_bytes": _rss()}
-        else:
-            break
-        print(json.dumps(reply), flush=True)
+        return {"step_s": (time.perf_counter() - t0) / spec["steps"]}
+    answer_row_commands(run_once, lambda: {"params": params})
 
 
 if __name__ == "__main__":
