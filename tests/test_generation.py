@@ -188,10 +188,21 @@ def test_streaming_yields_the_same_text_token_by_token(model):
         assert evs[-1].finish_reason == "length" and all(e.finish_reason is None for e in evs[:-1])
 
 
+def _last_state(m, prompt):
+    """The coda's output at the prompt's last position (what the head reads for the first new token)."""
+    seen = []
+    hook = m.final_norm.register_forward_hook(lambda mod, args, out: seen.append(args[0][0, -1]))
+    m(torch.tensor([TOK.encode(prompt)]))
+    hook.remove()
+    return seen[-1]
+
+
 def test_eos_ends_a_row(model):
-    m = tiny()
-    with torch.no_grad():                      # make eos the most likely token everywhere
-        m.head.weight[TOK.eos_id] = m.final_norm.weight.sign() * 5
+    m = tiny(**{"model.tie_embeddings": False})
+    with torch.no_grad():   # point eos's head row along both prompts' final readout states
+        finals = [m.final_norm(_last_state(m, p)) for p in ("hello", "x")]
+        w = sum(f / f.norm() for f in finals)
+        m.head.weight[TOK.eos_id] = 100 * w / w.norm()
     out = Engine(m, TOK, GenerationConfig()).generate(["hello", "x"], SamplingParams(max_new_tokens=10))
     assert all(o.tokens == [TOK.eos_id] and o.finish_reason == "stop" and o.text == "" for o in out)
 
