@@ -103,3 +103,13 @@ def test_schedules():
     wsd = tiny_recipe(**{"train.steps": 100, "optim.warmup_steps": 10, "optim.lr": 1.0, "optim.schedule": "wsd",
                          "optim.decay_fraction": 0.2, "optim.min_lr_ratio": 0.0})
     assert lr_at(50, wsd) == 1.0 and lr_at(79, wsd) == 1.0 and lr_at(99, wsd) == pytest.approx(0.0)
+
+
+def test_bf16_autocast_and_accumulation(tmp_path, text_dir):
+    rec = tiny_recipe(**{"data.path": str(text_dir), "train.dtype": "bf16", "train.grad_accum": 2,
+                         "train.steps": 2, "depth.kind": "uniform", "depth.min": 1, "depth.max": 3})
+    report = train(rec, tmp_path / "run", quiet=True)
+    assert sum(report["depth_histogram"].values()) == 4          # one depth draw per micro-batch
+    assert report["tokens_seen"] == 2 * 2 * 4 * 32
+    weights = looplm.load_run(tmp_path / "run").model.core[0].attn.q.weight
+    assert weights.dtype == torch.float32 and torch.isfinite(weights).all()
