@@ -60,7 +60,10 @@ def load_state(run_dir: Path) -> dict[str, Any]:
         raise UserError(f"run {run_dir}: checkpoint/state.pt is unreadable ({type(err).__name__})") from None
 
 
-def load_weights(run_dir: Path, model: torch.nn.Module) -> None:
+def load_weights(run_dir: Path, model: torch.nn.Module, allow_missing: str | None = None) -> None:
+    """Load RUN/checkpoint/model.safetensors into `model`, refusing any mismatch. Parameters whose
+    names start with `allow_missing` (the exit gate, when stage II starts from a run without one)
+    may be absent and keep their initialisation."""
     path = Path(run_dir) / "checkpoint" / "model.safetensors"
     if not path.is_file():
         raise UserError(f"run {run_dir}: missing checkpoint/model.safetensors")
@@ -68,9 +71,10 @@ def load_weights(run_dir: Path, model: torch.nn.Module) -> None:
         missing, unexpected = load_model(model, str(path), strict=False)
     except Exception as err:
         raise UserError(f"run {run_dir}: checkpoint/model.safetensors is unreadable or does not match "
-                        f"recipe.toml ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+                        f"the recipe ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    missing = [k for k in missing if not (allow_missing and k.startswith(allow_missing))]
     if missing or unexpected:
-        raise UserError(f"run {run_dir}: weights do not match recipe.toml (missing {missing[:3]}, "
+        raise UserError(f"run {run_dir}: weights do not match the recipe (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
 
 

@@ -169,7 +169,8 @@ def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: tor
     return loss, {"gate_loss": loss.item()}
 
 
-def round_diagnostics(model: LoopedLM, out, params_before: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+def round_diagnostics(out) -> dict[str, Any]:
+    """Per-round state RMS, update RMS and gradient RMS at the state after each round (a log step)."""
     stats = dict(out.stats)
     stats["grad_rms"] = [s.grad.float().pow(2).mean().sqrt().item() if s.grad is not None else 0.0
                          for s in out.round_states]
@@ -220,7 +221,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
     if resume:
         init_from = state.get("init_from") or None
     elif init_from is not None:
-        load_init_weights(init_from, model, allow_missing="gate." if recipe.train.stage == 2 else None)
+        load_weights(init_from, model, allow_missing="gate." if recipe.train.stage == 2 else None)
     origin = {"init_from": str(init_from)} if init_from is not None else {}
 
     def checkpoint(step: int) -> None:
@@ -264,7 +265,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
                    "grad_rounds": list(out.grad_rounds), **{k: v for k, v in info.items() if k != "round_losses"}}
             if "round_losses" in info:
                 row["round_losses"] = {str(k): v for k, v in info["round_losses"].items()}
-            row.update(round_diagnostics(model, out, None))
+            row.update(round_diagnostics(out))
             with torch.no_grad():
                 num = sum((p - b).pow(2).sum() for p, b in zip(model.core.parameters(), before))
                 den = sum(b.pow(2).sum() for b in before)
@@ -314,24 +315,6 @@ def _adopt_data(src: Path, run_dir: Path) -> None:
             shutil.copy2(f, run_dir / "checkpoint" / f.name)
     if (src / "data").is_dir():
         shutil.copytree(src / "data", run_dir / "data", dirs_exist_ok=True)
-
-
-def load_init_weights(src: str | Path, model: LoopedLM, allow_missing: str | None = None) -> None:
-    """Load a run's weights into `model`; parameters named with the prefix `allow_missing` (the
-    exit gate, for stage II of a run trained without one) may be absent and keep their init."""
-    from safetensors.torch import load_model
-    path = Path(src) / "checkpoint" / "model.safetensors"
-    if not path.is_file():
-        raise UserError(f"init run {src}: missing checkpoint/model.safetensors")
-    try:
-        missing, unexpected = load_model(model, str(path), strict=False)
-    except Exception as err:
-        raise UserError(f"init run {src}: weights do not fit this recipe ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:200]})") from None
-    missing = [k for k in missing if not (allow_missing and k.startswith(allow_missing))]
-    if missing or unexpected:
-        raise UserError(f"init run {src}: weights do not fit this recipe (missing {missing[:3]}, "
-                        f"unexpected {unexpected[:3]})")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
