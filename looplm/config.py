@@ -214,8 +214,12 @@ class DataConfig:
     """Task data: largest training difficulty of a built-in task."""
     task_length: int = 0
     """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max."""
+    train_length_min: int = 0
+    """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length)."""
     curriculum: float = 0.0
     """Task data: fraction of steps over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all from the start)."""
+    separator: bool = True
+    """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
     depth_by_difficulty: bool = False
     """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
     eval_difficulty_max: int = 0
@@ -237,6 +241,7 @@ class DataConfig:
         _check(self.difficulty_max >= self.difficulty_min, "data.difficulty_max",
                f"must be >= data.difficulty_min ({self.difficulty_min})")
         _check(self.task_length >= 0, "data.task_length", "must be >= 0 (0 = the task's default)")
+        _check(self.train_length_min >= 0, "data.train_length_min", "must be >= 0 (0 = always task_length)")
         _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
         _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
                "data.eval_difficulty_max", f"must be 0 (= 2 x difficulty_max) or >= data.difficulty_min ({self.difficulty_min})")

@@ -45,7 +45,7 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "model.d_model": 32, "model.n_heads": 2, "depth.max": 4, "depth.rounds": 4,
     "data.difficulty_max": 2, "data.eval_examples": 16, "data.probe_examples": 32,
     "train.steps": 8, "train.batch_size": 16, "train.log_every": 4, "train.checkpoint_every": 100,
-    "optim.warmup_steps": 2,
+    "optim.warmup_steps": 2, "train.threads": 1,
 }
 """What --quick sets (before any --set)."""
 
@@ -176,7 +176,7 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
     _say("evaluating", quiet)
     rounds_for = {"looped": list(range(1, eval_rounds_max + 1)), "lstm": [1],
                   **{n: [recipes[n].depth.rounds] for n in recipes if n != "looped"}}
-    tables = {n: accuracy_table(models[n], tok, eval_sets, rounds_for[n]) for n in names}
+    tables = {n: accuracy_table(models[n], tok, eval_sets, rounds_for[n], separator=d.separator) for n in names}
     accuracy = {n: {str(dd): {str(r): v["accuracy"] for r, v in row.items()} for dd, row in t.items()}
                 for n, t in tables.items()}
     loss = {n: {str(dd): {str(r): v["loss"] for r, v in row.items()} for dd, row in t.items()}
@@ -187,11 +187,11 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
         _say("probing the looped model's state after each round", quiet)
         from .probes import run_probes
         levels = sorted({source.train_levels[-1], source.eval_max})
-        raw = run_probes(models["looped"], tok, source, d.probe_examples, levels, eval_rounds_max)
+        raw = run_probes(models["looped"], tok, source, d.probe_examples, levels, eval_rounds_max, d.separator)
         probes = {k: {str(dd): ({str(r): a for r, a in v.items()} if isinstance(v, dict) else v)
                       for dd, v in table.items()} for k, table in raw.items()}
 
-    lengths = prompt_tokens_by_difficulty(tok, eval_sets)
+    lengths = prompt_tokens_by_difficulty(tok, eval_sets, d.separator)
     result = {
         "task": d.task,
         "train_difficulty_min": source.train_levels[0],
@@ -303,7 +303,7 @@ def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
     probes = result.get("probes") or {}
     if probes:
         lines += ["## Probes (looped model)", "",
-                  "Linear probe accuracy (%) on the state after each round at the separator position "
+                  "Linear probe accuracy (%) on the state after each round at the last prompt position "
                   "(fit on half the examples, tested on the other half). `answer`: the answer's first token; "
                   "`hop` (chains): the node reached after min(round, hops) links — one link per round makes it "
                   "readable at every round. Chance (majority answer): "

@@ -1,7 +1,7 @@
 """Linear probes on the loop state: after which round is a task variable linearly readable?
 
-For each round r we take the state after round r at the last prompt position (the
-separator, where the first answer token is predicted), fit a multinomial logistic
+For each round r we take the state after round r at the last prompt position (where the
+first answer token is predicted), fit a multinomial logistic
 regression on half of the examples and score it on the other half. Targets:
 
 - "answer": the first answer token (on chains: the digit the chain ends in);
@@ -49,12 +49,12 @@ def hop_target(ex: Example, r: int) -> str:
 
 @torch.no_grad()
 def collect_states(model: torch.nn.Module, tok: Any, examples: list[Example], rounds: int,
-                   batch_size: int = 128) -> torch.Tensor:
-    """(rounds, N, d) loop state after each round at each example's separator position."""
+                   batch_size: int = 128, separator: bool = True) -> torch.Tensor:
+    """(rounds, N, d) loop state after each round at each example's last prompt position."""
     model.eval()
     chunks = []
     for i in range(0, len(examples), batch_size):
-        b = encode_examples(tok, examples[i:i + batch_size], model.cfg.context)
+        b = encode_examples(tok, examples[i:i + batch_size], model.cfg.context, separator)
         out = model(b.x, rounds, collect_stats=True, generator=torch.Generator().manual_seed(0))
         pos = torch.tensor(b.prompt_lens) - 1
         rows = torch.arange(len(pos))
@@ -101,7 +101,7 @@ def probe_by_round(states: torch.Tensor, examples: list[Example],
 
 
 def run_probes(model: torch.nn.Module, tok: Any, source: TaskSource, n: int, difficulties: list[int],
-               rounds: int) -> dict[str, Any]:
+               rounds: int, separator: bool = True) -> dict[str, Any]:
     """{"answer": {difficulty: {round: accuracy}}, "hop": {...} (chains), "chance": {difficulty: majority}}."""
     targets: dict[str, Callable[[Example, int], str]] = {"answer": answer_target}
     if source.task == "chain":
@@ -110,7 +110,7 @@ def run_probes(model: torch.nn.Module, tok: Any, source: TaskSource, n: int, dif
     result: dict[str, Any] = {name: {} for name in targets}
     result["chance"] = {}
     for d, examples in sets.items():
-        states = collect_states(model, tok, examples, rounds)
+        states = collect_states(model, tok, examples, rounds, separator=separator)
         for name, fn in targets.items():
             result[name][d] = probe_by_round(states, examples, fn)
         test = [ex.answer[0] for ex in examples[len(examples) // 2:]]

@@ -68,13 +68,20 @@ def _where(ex: Example) -> str:
     return f"{ex.meta.get('task', 'task')} example (difficulty {ex.difficulty})"
 
 
-def encode_examples(tok: Any, examples: list[Example], context: int | None = None) -> TaskBatch:
+def format_for_training(ex: Example, separator: bool = True) -> tuple[str, str]:
+    """tasks.format_example, without the trailing separator when separator is False."""
+    prompt, answer = format_example(ex)
+    return (prompt if separator else prompt[:-len(SEPARATOR)]), answer
+
+
+def encode_examples(tok: Any, examples: list[Example], context: int | None = None,
+                    separator: bool = True) -> TaskBatch:
     """Tokenize and right-pad examples; the mask comes from tasks.answer_mask."""
     if not examples:
         raise UserError("no examples to encode")
     rows = []
     for ex in examples:
-        prompt, answer = format_example(ex)
+        prompt, answer = format_for_training(ex, separator)
         ids, mask = answer_mask(tok.encode(prompt), tok.encode(answer))
         if context is not None and len(ids) - 1 > context:
             raise UserError(f"{_where(ex)}: prompt + answer is {len(ids)} tokens, more than "
@@ -103,7 +110,7 @@ class TaskSource:
 
     def __init__(self, recipe: Recipe):
         d = recipe.data
-        self.task, self.seed = d.task, recipe.train.seed
+        self.task, self.seed, self.length_min = d.task, recipe.train.seed, d.train_length_min
         self.builtin = is_builtin(d.task)
         if self.builtin:
             spec = TASKS[d.task]
@@ -127,7 +134,7 @@ class TaskSource:
         else:
             examples = load_jsonl(d.task)
             for ex in examples:  # refuse, naming the line, before any training
-                encode_examples(ByteTokenizer(), [ex], recipe.model.context)
+                encode_examples(ByteTokenizer(), [ex], recipe.model.context, d.separator)
             if len(examples) < 2:
                 raise UserError(f"{d.task}: needs at least 2 examples (one to train on, one held out)")
             order = list(range(len(examples)))
@@ -138,10 +145,17 @@ class TaskSource:
             self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
             self.length, self.eval_max = None, max(self.eval_levels)
 
+    def train_length(self, level: int, index: int) -> int | None:
+        """Items per prompt in training micro-batch `index` (data.train_length_min: drawn per micro-batch)."""
+        if not self.builtin or not self.length_min:
+            return self.length
+        lo = min(self.length, max(self.length_min, TASKS[self.task].min_length(level)))
+        return random.Random(f"looplm.taskdata/length/{self.seed}/{index}").randint(lo, self.length)
+
     def train_examples(self, level: int, n: int, index: int) -> list[Example]:
         """The n examples of training micro-batch `index`, all of difficulty `level`."""
         if self.builtin:
-            return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, self.length))
+            return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, self.train_length(level, index)))
         rng = random.Random(f"looplm.taskdata/batch/{self.seed}/{index}")
         return rng.choices(self._train_pool[level], k=n)
 
@@ -206,7 +220,7 @@ class TaskSampler:
         """(x, y, train_step options): the options carry the answer mask and, with
         data.depth_by_difficulty, the rounds and supervision for this micro-batch."""
         examples = self.examples(index)
-        b = encode_examples(self.tok, examples, self.recipe.model.context)
+        b = encode_examples(self.tok, examples, self.recipe.model.context, self.recipe.data.separator)
         for ex, n in zip(examples, b.lengths):
             key = int.from_bytes(hashlib.blake2b(f"{ex.prompt}\0{ex.answer}".encode(), digest_size=8).digest(),
                                  "little", signed=True)
@@ -261,7 +275,7 @@ def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[
 
 @torch.no_grad()
 def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
-                      batch_size: int = 64) -> dict[int, dict[str, float]]:
+                      batch_size: int = 64, separator: bool = True) -> dict[int, dict[str, float]]:
     """rounds -> {"accuracy": exact match, "loss": mean answer-token loss} over `examples`."""
     model.eval()
     correct = {r: 0 for r in rounds_list}
@@ -269,7 +283,7 @@ def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example],
     tokens = 0
     context = getattr(getattr(model, "cfg", None), "context", None)
     for i in range(0, len(examples), batch_size):
-        b = encode_examples(tok, examples[i:i + batch_size], context)
+        b = encode_examples(tok, examples[i:i + batch_size], context, separator)
         for r, logits in logits_by_rounds(model, b.x, rounds_list).items():
             hit = (logits.argmax(-1) == b.y) | ~b.mask          # (B, T)
             correct[r] += int(hit.all(-1).sum())
@@ -280,15 +294,16 @@ def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example],
 
 
 def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],
-                   rounds_list: list[int], batch_size: int = 64) -> dict[int, dict[int, dict[str, float]]]:
+                   rounds_list: list[int], batch_size: int = 64,
+                   separator: bool = True) -> dict[int, dict[int, dict[str, float]]]:
     """difficulty -> rounds -> {"accuracy", "loss"}."""
-    return {d: evaluate_examples(model, tok, exs, rounds_list, batch_size) for d, exs in eval_sets.items()}
+    return {d: evaluate_examples(model, tok, exs, rounds_list, batch_size, separator) for d, exs in eval_sets.items()}
 
 
 @torch.no_grad()
 def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds: int | None = None,
-                   max_new_tokens: int = 16, batch_size: int = 64) -> list[str]:
-    """Greedy answers to prompts (the separator is appended here), each up to its newline.
+                   max_new_tokens: int = 16, batch_size: int = 64, separator: bool = True) -> list[str]:
+    """Greedy answers to prompts (the separator is appended here unless separator=False), each up to its newline.
 
     Rows are right-padded; each row's next token is read at its own last position, which
     causal attention makes independent of the padding after it."""
@@ -298,7 +313,7 @@ def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds:
         raise UserError("greedy_answers needs a tokenizer that encodes the newline as one token")
     answers = []
     for start in range(0, len(prompts), batch_size):
-        ids = [tok.encode(p + SEPARATOR) for p in prompts[start:start + batch_size]]
+        ids = [tok.encode(p + (SEPARATOR if separator else "")) for p in prompts[start:start + batch_size]]
         B, lens = len(ids), torch.tensor([len(i) for i in ids])
         buf = torch.full((B, int(lens.max()) + max_new_tokens), eos, dtype=torch.long)
         for i, row in enumerate(ids):
@@ -323,9 +338,10 @@ def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds:
     return answers
 
 
-def prompt_tokens_by_difficulty(tok: Any, eval_sets: dict[int, list[Example]]) -> dict[int, float]:
+def prompt_tokens_by_difficulty(tok: Any, eval_sets: dict[int, list[Example]],
+                                separator: bool = True) -> dict[int, float]:
     """Mean prompt tokens per difficulty (the length dial, reported apart from difficulty)."""
-    return {d: sum(len(tok.encode(format_example(ex)[0])) for ex in exs) / max(1, len(exs))
+    return {d: sum(len(tok.encode(format_for_training(ex, separator)[0])) for ex in exs) / max(1, len(exs))
             for d, exs in eval_sets.items()}
 
 
@@ -345,11 +361,12 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
     """The trainer's report fields for task data: answer loss and exact match by rounds, and
     the accuracy table by difficulty x rounds (with prompt lengths reported apart)."""
     eval_sets = source.eval_sets(recipe.data.eval_examples)
-    table = accuracy_table(model, sampler.tok, eval_sets, rounds_list)
+    sep = recipe.data.separator
+    table = accuracy_table(model, sampler.tok, eval_sets, rounds_list, separator=sep)
     examples = [ex for exs in eval_sets.values() for ex in exs]
-    overall = evaluate_examples(model, sampler.tok, examples, rounds_list)
+    overall = evaluate_examples(model, sampler.tok, examples, rounds_list, separator=sep)
     acc = {d: {r: v["accuracy"] for r, v in row.items()} for d, row in table.items()}
-    lengths = prompt_tokens_by_difficulty(sampler.tok, eval_sets)
+    lengths = prompt_tokens_by_difficulty(sampler.tok, eval_sets, sep)
     note = (f"Task `{recipe.data.task}`, exact match (%) on {recipe.data.eval_examples} held-out examples per "
             f"difficulty; trained on difficulties {source.train_levels[0]}..{source.train_levels[-1]}. "
             f"Prompt length: {source.length if source.length is not None else 'as in the file'} items; mean prompt "
