@@ -216,8 +216,10 @@ class DataConfig:
     """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max."""
     train_length_min: int = 0
     """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length)."""
+    warmup_steps: int = 0
+    """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
     curriculum: float = 0.0
-    """Task data: fraction of steps over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all from the start)."""
+    """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max, and (with train_length_min) the longest prompt from the shortest to task_length (0 = all at once)."""
     separator: bool = True
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
     depth_by_difficulty: bool = False
@@ -243,6 +245,7 @@ class DataConfig:
         _check(self.task_length >= 0, "data.task_length", "must be >= 0 (0 = the task's default)")
         _check(self.train_length_min >= 0, "data.train_length_min", "must be >= 0 (0 = always task_length)")
         _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(self.warmup_steps >= 0, "data.warmup_steps", "must be >= 0")
         _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
                "data.eval_difficulty_max", f"must be 0 (= 2 x difficulty_max) or >= data.difficulty_min ({self.difficulty_min})")
         _check(self.eval_rounds_max >= 0, "data.eval_rounds_max", "must be >= 0 (0 = 2 x the largest training depth)")

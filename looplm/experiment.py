@@ -130,8 +130,46 @@ def train_lstm(recipe: Recipe, run_dir: Path, source: TaskSource, target_params:
 # The experiment
 
 
+def _train_model(name: str, recipe_dict: dict[str, Any], out: str, quiet: bool, lstm_target: int) -> dict[str, Any]:
+    """Train one model of the experiment into OUT/name; returns what the report needs.
+    A top-level function, so a worker process can run it."""
+    from .train import train
+
+    recipe = recipe_from_dict(recipe_dict)
+    if recipe.train.threads:
+        torch.set_num_threads(recipe.train.threads)
+    t0 = time.perf_counter()
+    if name == "lstm":
+        _, rep = train_lstm(recipe, Path(out) / name, TaskSource(recipe), lstm_target, quiet)
+        return {"params_stored": rep["params_stored"], "hidden": rep["hidden"], "steps": rep["steps"],
+                "train_wall_time_s": rep["wall_time_s"], "train_loss_final": rep["train_loss_final"],
+                "process_wall_time_s": time.perf_counter() - t0}
+    report = train(recipe, Path(out) / name, quiet=quiet)
+    m = recipe.model
+    return {"params_stored": report["params_stored"], "params_per_token_visit": report["params_per_token_visit"],
+            "block_visits_per_token": m.n_prelude + m.n_coda + m.n_core * (
+                recipe.depth.rounds if m.untied else report["mean_train_rounds"]),
+            "mean_train_rounds": report["mean_train_rounds"], "steps": report["steps"],
+            "train_wall_time_s": report["wall_time_s"], "train_loss_final": report["train_loss_final"],
+            "process_wall_time_s": time.perf_counter() - t0}
+
+
+def _load_model(name: str, out: Path, recipe: Recipe, info: dict[str, Any]) -> torch.nn.Module:
+    if name != "lstm":
+        return load_run(out / name).model
+    from safetensors.torch import load_model
+
+    from .lstm import LSTMLM
+    model = LSTMLM(recipe.model.vocab_size, recipe.model.d_model, info["hidden"])
+    load_model(model, str(out / name / "model.safetensors"))
+    return model.eval()
+
+
 def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
-    """Train the looped model and its baselines, evaluate difficulty x rounds, probe, report."""
+    """Train the looped model and its baselines, evaluate difficulty x rounds, probe, report.
+
+    With train.threads >= 2 the models train in that many single-threaded worker processes
+    (small models use several cores better side by side than through intra-op threads)."""
     t_start = time.perf_counter()
     if not recipe.data.task:
         raise UserError("recipe field data.task: the extrapolate experiment needs task data (e.g. \"chain\")")
@@ -146,32 +184,34 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
     d = recipe.data
     eval_rounds_max = d.eval_rounds_max or 2 * recipe.depth.max_rounds
     eval_sets = source.eval_sets(d.eval_examples)
-    if recipe.train.threads:
-        torch.set_num_threads(recipe.train.threads)
+    workers = min(recipe.train.threads, len(names)) if recipe.train.threads >= 2 else 1
+    torch.set_num_threads(recipe.train.threads if workers == 1 and recipe.train.threads else
+                          max(1, recipe.train.threads or torch.get_num_threads()))
 
-    from .train import train
+    from .model import build_model
 
-    models: dict[str, torch.nn.Module] = {}
+    recipes = {"looped": recipe, **baseline_recipes(recipe), "lstm": recipe}
+    lstm_target = build_model(recipe).params_stored()
+    # The costliest first, so a pool of workers finishes close together.
+    order = sorted(names, key=lambda n: ["untied_same_compute", "looped", "lstm", "untied_same_params"].index(n))
     info: dict[str, dict[str, Any]] = {}
-    recipes = {"looped": recipe, **baseline_recipes(recipe)}
-    for name in names:
-        if name == "lstm":
-            continue
-        _say(f"training {name} ({recipes[name].train.steps} steps)", quiet)
-        report = train(recipes[name], out / name, quiet=quiet)
-        model = load_run(out / name).model
-        models[name] = model
-        r = recipes[name]
-        info[name] = {"params_stored": report["params_stored"],
-                      "params_per_token_visit": report["params_per_token_visit"],
-                      "block_visits_per_token": r.model.n_prelude + r.model.n_coda + r.model.n_core * (
-                          r.depth.rounds if r.model.untied else report["mean_train_rounds"]),
-                      "train_wall_time_s": report["wall_time_s"], "train_loss_final": report["train_loss_final"]}
-    if "lstm" in names:
-        _say("training lstm", quiet)
-        models["lstm"], rep = train_lstm(recipe, out / "lstm", source, info["looped"]["params_stored"], quiet)
-        info["lstm"] = {"params_stored": rep["params_stored"], "hidden": rep["hidden"],
-                        "train_wall_time_s": rep["wall_time_s"], "train_loss_final": rep["train_loss_final"]}
+    if workers == 1:
+        for name in order:
+            _say(f"training {name} ({recipes[name].train.steps} steps)", quiet)
+            info[name] = _train_model(name, recipes[name].to_dict(), str(out), quiet, lstm_target)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _say(f"training {', '.join(order)} in {workers} worker processes of one thread each", quiet)
+        one_thread = {n: apply_overrides(recipes[n].to_dict(), {"train.threads": 1}) for n in order}
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {n: pool.submit(_train_model, n, one_thread[n], str(out), True, lstm_target) for n in order}
+            for name in order:
+                info[name] = futures[name].result()
+                _say(f"{name} trained in {info[name]['process_wall_time_s']:.0f} s", quiet)
+    info = {n: info[n] for n in names}
+    models = {n: _load_model(n, out, recipes[n], info[n]) for n in names}
 
     _say("evaluating", quiet)
     rounds_for = {"looped": list(range(1, eval_rounds_max + 1)), "lstm": [1],

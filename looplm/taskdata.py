@@ -21,6 +21,7 @@ round count at once, because a round's readout does not depend on later rounds.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,17 +146,21 @@ class TaskSource:
             self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
             self.length, self.eval_max = None, max(self.eval_levels)
 
-    def train_length(self, level: int, index: int) -> int | None:
-        """Items per prompt in training micro-batch `index` (data.train_length_min: drawn per micro-batch)."""
+    def train_length(self, level: int, index: int, progress: float = 1.0) -> int | None:
+        """Items per prompt in training micro-batch `index`: task_length, or with data.train_length_min
+        drawn per micro-batch from lo = max(train_length_min, the level's minimum) up to a cap that
+        the curriculum raises from lo (progress 0) to task_length (progress 1)."""
         if not self.builtin or not self.length_min:
             return self.length
         lo = min(self.length, max(self.length_min, TASKS[self.task].min_length(level)))
-        return random.Random(f"looplm.taskdata/length/{self.seed}/{index}").randint(lo, self.length)
+        hi = lo + math.ceil(progress * (self.length - lo))
+        return random.Random(f"looplm.taskdata/length/{self.seed}/{index}").randint(lo, hi)
 
-    def train_examples(self, level: int, n: int, index: int) -> list[Example]:
+    def train_examples(self, level: int, n: int, index: int, progress: float = 1.0) -> list[Example]:
         """The n examples of training micro-batch `index`, all of difficulty `level`."""
         if self.builtin:
-            return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, self.train_length(level, index)))
+            length = self.train_length(level, index, progress)
+            return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, length))
         rng = random.Random(f"looplm.taskdata/batch/{self.seed}/{index}")
         return rng.choices(self._train_pool[level], k=n)
 
@@ -193,12 +198,24 @@ class TaskSampler:
         self._seen: set[int] = set()
         self._unique_tokens = 0
 
+    def in_warmup(self, index: int) -> bool:
+        return index // self.recipe.train.grad_accum < self.recipe.data.warmup_steps
+
+    def progress(self, index: int) -> float:
+        """How far the curriculum has got at micro-batch `index`: 0 during warm-up, 1 once it is done."""
+        r = self.recipe
+        ramp = r.data.curriculum * r.train.steps
+        step = index // r.train.grad_accum - r.data.warmup_steps
+        if step < 0:
+            return 0.0
+        return 1.0 if ramp <= 0 else min(1.0, step / ramp)
+
     def level(self, index: int) -> int:
         """The difficulty of micro-batch `index`: uniform over the levels the curriculum allows."""
         levels, r = self.source.train_levels, self.recipe
-        ramp = r.data.curriculum * r.train.steps
-        step = index // r.train.grad_accum
-        allowed = len(levels) if ramp <= 0 else min(len(levels), 1 + int(len(levels) * step / ramp))
+        if self.in_warmup(index):
+            return levels[0]
+        allowed = min(len(levels), 1 + int(len(levels) * self.progress(index)))
         return levels[random.Random(f"looplm.taskdata/level/{r.train.seed}/{index}").randrange(allowed)]
 
     def depth_plan(self, level: int, index: int) -> tuple[int, SupervisionConfig]:
@@ -214,7 +231,9 @@ class TaskSampler:
         return rounds, SupervisionConfig(kind="rounds", rounds=tuple(range(first, rounds + 1)))
 
     def examples(self, index: int) -> list[Example]:
-        return self.source.train_examples(self.level(index), self.recipe.train.batch_size, index)
+        level = self.level(index)
+        return self.source.train_examples(level, self.recipe.train.batch_size, index,
+                                          0.0 if self.in_warmup(index) else self.progress(index))
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """(x, y, train_step options): the options carry the answer mask and, with

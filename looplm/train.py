@@ -247,6 +247,7 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
                                          **(task_opts[0] if task_opts else {}))
             step_loss += loss / recipe.train.grad_accum
             depths.append(out.rounds)
+            tok_window += x.numel()  # task batches vary in length
         clip = recipe.optim.grad_clip
         params = [p for g in opt.param_groups for p in g["params"]]
         gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
@@ -256,7 +257,6 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
         counters.losses.append(step_loss)
         dt = time.perf_counter() - t0
         counters.train_time_s += dt
-        tok_window += bs * seq_len * recipe.train.grad_accum
         bar.set_postfix(loss=f"{step_loss:.3f}", rounds=",".join(map(str, depths)),
                         tok_s=f"{tok_window / max(1e-9, time.perf_counter() - t_window):.0f}")
         if log_now:

@@ -181,3 +181,21 @@ def test_jsonl_prompt_longer_than_the_context_names_the_line(tmp_path, capsys):
     code = main(["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}"])
     err = capsys.readouterr().err
     assert code == 2 and "line 4" in err and "model.context" in err
+
+
+def test_warmup_then_length_ramp():
+    recipe = task_recipe(**{"data.difficulty_max": 3, "data.task_length": 10, "data.train_length_min": 2,
+                            "data.warmup_steps": 10, "data.curriculum": 0.5, "train.steps": 50})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+
+    def items(i):
+        return len(sampler.examples(i)[0].prompt.split("; ")) - 1
+
+    # warm-up: the easiest level on the shortest prompts
+    assert all(sampler.level(i) == 1 and items(i) == 2 for i in range(10))
+    # the ramp raises the longest prompt from 2 towards task_length; afterwards 2..10 are drawn
+    assert max(items(i) for i in range(10, 14)) <= 4
+    late = [items(i) for i in range(35, 50)]
+    assert min(late) >= 2 and max(late) > 6 and max(late) <= 10
+    # evaluation always uses task_length
+    assert {len(e.prompt.split("; ")) - 1 for e in sampler.source.eval_sets(5)[1]} == {10}
