@@ -62,10 +62,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import eval_batches_for
 
     run = load_run(args.run)
-    batches = eval_batches_for(run, args.data)
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
+    if run.recipe.data.task and not args.data:  # task runs: answer-token loss and exact-match accuracy
+        return _eval_task_run(run, rounds, args)
+    batches = eval_batches_for(run, args.data)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
@@ -74,6 +76,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                        data_label=args.data or "the run's validation split")
         result.update(extra)
         lines += extra_lines
+    _emit(result, args.json, "\n".join(lines))
+    return 0
+
+
+def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int:
+    """`looplm eval` on a run trained on task data: held-out examples of every evaluated difficulty."""
+    import math
+
+    from .taskdata import TaskSource, evaluate_examples
+    if args.exit or args.exit_sweep:
+        raise UserError("--exit/--exit-sweep: not available for task runs yet; evaluate with --rounds")
+    recipe = run.recipe
+    examples = [ex for exs in TaskSource(recipe).eval_sets(recipe.data.eval_examples).values() for ex in exs]
+    scores = evaluate_examples(run.model, run.tokenizer, examples, rounds, separator=recipe.data.separator)
+    result = {"rounds": {str(r): {**v, "ppl": math.exp(min(50.0, v["loss"]))} for r, v in scores.items()},
+              "examples": len(examples)}
+    lines = [f"rounds {r}: answer loss {v['loss']:.4f} accuracy {100 * v['accuracy']:.1f}%"
+             for r, v in result["rounds"].items()]
     _emit(result, args.json, "\n".join(lines))
     return 0
 

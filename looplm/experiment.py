@@ -185,8 +185,8 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
     eval_rounds_max = d.eval_rounds_max or 2 * recipe.depth.max_rounds
     eval_sets = source.eval_sets(d.eval_examples)
     workers = min(recipe.train.threads, len(names)) if recipe.train.threads >= 2 else 1
-    torch.set_num_threads(recipe.train.threads if workers == 1 and recipe.train.threads else
-                          max(1, recipe.train.threads or torch.get_num_threads()))
+    # Workers each take a core; evaluation then runs here on one thread (robust on a busy machine).
+    torch.set_num_threads(1 if workers > 1 else (recipe.train.threads or torch.get_num_threads()))
 
     from .model import build_model
 

@@ -127,3 +127,14 @@ def test_probe_needs_enough_examples():
     recipe = looplm.load_recipe("extrapolate", QUICK_OVERRIDES)
     with pytest.raises(UserError):
         run_probes(looplm.build_model(recipe), ByteTokenizer(), TaskSource(recipe), 2, [1], rounds=2)
+
+
+def test_parallel_workers_give_the_same_shape(tmp_path):
+    from looplm.experiment import run_extrapolate
+    recipe = looplm.load_recipe("extrapolate", {**QUICK_OVERRIDES, "train.threads": 2, "data.probe_examples": 0,
+                                                "data.baselines": ["untied_same_params", "lstm"]})
+    result = run_extrapolate(recipe, tmp_path / "p", quiet=True)
+    assert set(result["models"]) == {"looped", "untied_same_params", "lstm"}
+    assert result["probes"] == {}
+    assert all(i["process_wall_time_s"] > 0 for i in result["model_info"].values())
+    assert (tmp_path / "p" / "lstm" / "model.safetensors").is_file()

@@ -113,3 +113,15 @@ def test_bf16_autocast_and_accumulation(tmp_path, text_dir):
     assert report["tokens_seen"] == 2 * 2 * 4 * 32
     weights = looplm.load_run(tmp_path / "run").model.core[0].attn.q.weight
     assert weights.dtype == torch.float32 and torch.isfinite(weights).all()
+
+
+def test_eval_on_a_task_run_reports_accuracy(tmp_path, capsys):
+    rec = tiny_recipe(**{"data.task": "parity", "data.difficulty_max": 2, "data.eval_examples": 8,
+                         "train.steps": 2, "depth.rounds": 2})
+    train(rec, tmp_path / "run", quiet=True)
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--rounds", "1,2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for r in ("1", "2"):
+        assert 0 <= out["rounds"][r]["accuracy"] <= 1 and out["rounds"][r]["loss"] > 0
+    assert main(["eval", str(tmp_path / "run"), "--exit", "fixed:1"]) == 2
