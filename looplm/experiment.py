@@ -45,7 +45,7 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "model.d_model": 32, "model.n_heads": 2, "depth.max": 4, "depth.rounds": 4,
     "data.difficulty_max": 2, "data.eval_examples": 16, "data.probe_examples": 32,
     "train.steps": 8, "train.batch_size": 16, "train.log_every": 4, "train.checkpoint_every": 100,
-    "optim.warmup_steps": 2, "train.threads": 1,
+    "optim.warmup_steps": 2, "train.threads": 1, "data.task_length": 0, "data.warmup_steps": 2,
 }
 """What --quick sets (before any --set)."""
 
@@ -215,7 +215,7 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
 
     _say("evaluating", quiet)
     rounds_for = {"looped": list(range(1, eval_rounds_max + 1)), "lstm": [1],
-                  **{n: [recipes[n].depth.rounds] for n in recipes if n != "looped"}}
+                  **{n: [recipes[n].depth.rounds] for n in recipes if n.startswith("untied")}}
     tables = {n: accuracy_table(models[n], tok, eval_sets, rounds_for[n], separator=d.separator) for n in names}
     accuracy = {n: {str(dd): {str(r): v["accuracy"] for r, v in row.items()} for dd, row in t.items()}
                 for n, t in tables.items()}
@@ -232,6 +232,7 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
                       for dd, v in table.items()} for k, table in raw.items()}
 
     lengths = prompt_tokens_by_difficulty(tok, eval_sets, d.separator)
+    guess = digit_guess_baseline(eval_sets)
     result = {
         "task": d.task,
         "train_difficulty_min": source.train_levels[0],
@@ -241,6 +242,7 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
         "eval_rounds_max": eval_rounds_max,
         "prompt_length": {"items": source.length, "tokens_by_difficulty": {str(k): v for k, v in lengths.items()}},
         "eval_examples_per_difficulty": {str(k): len(v) for k, v in eval_sets.items()},
+        "digit_guess_baseline": guess,
         "models": accuracy,
         "answer_loss": loss,
         "model_info": info,
@@ -253,6 +255,16 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
     write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
     write_text(out / "report.md", render_markdown(result, plots))
     return result
+
+
+def digit_guess_baseline(eval_sets: dict[int, list]) -> dict[str, float] | None:
+    """Accuracy of guessing uniformly among the distinct digits in each prompt (the shortcut an
+    untrained lookup falls into), by difficulty; None unless every answer is one digit."""
+    exs = [ex for group in eval_sets.values() for ex in group]
+    if not exs or not all(len(ex.answer) == 1 and ex.answer.isdigit() for ex in exs):
+        return None
+    return {str(dd): sum(1 / max(1, len({c for c in ex.prompt if c.isdigit()})) for ex in group) / len(group)
+            for dd, group in eval_sets.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,7 +337,10 @@ def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
         f"Prompt length is a separate dial: every prompt has {pl['items']} items (distractors pad easier "
         "examples), so difficulty never shows in the length. Mean prompt tokens by difficulty: "
         + ", ".join(f"{k}: {v:.0f}" for k, v in pl["tokens_by_difficulty"].items()) + ".", "",
-        "## Summary", "", *[f"- {s}" for s in summary_lines(result)], "",
+        "## Summary", "", *[f"- {s}" for s in summary_lines(result)],
+        *([f"- guessing among the prompt's digits would score: " + ", ".join(
+            f"difficulty {k}: {100 * v:.0f}%" for k, v in result["digit_guess_baseline"].items())]
+          if result.get("digit_guess_baseline") else []), "",
         "## Models", "", "| model | stored params | block visits per token | train wall s | final train loss |",
         "|---|---:|---:|---:|---:|",
     ]

@@ -112,6 +112,7 @@ class TaskSource:
     def __init__(self, recipe: Recipe):
         d = recipe.data
         self.task, self.seed, self.length_min = d.task, recipe.train.seed, d.train_length_min
+        self.separator = d.separator
         self.builtin = is_builtin(d.task)
         if self.builtin:
             spec = TASKS[d.task]
@@ -175,7 +176,7 @@ class TaskSource:
         """Tokens in the training split of a JSONL file (None for a generator: unbounded)."""
         if self.builtin:
             return None
-        return sum(len((ex.prompt + SEPARATOR + ex.answer + ANSWER_END).encode()) for pool in
+        return sum(len("".join(format_for_training(ex, self.separator)).encode()) for pool in
                    self._train_pool.values() for ex in pool)
 
 

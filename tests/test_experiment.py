@@ -48,6 +48,7 @@ def test_quick_experiment_json_shape(quick_run):
     assert list(models["looped"]["1"]) == [str(r) for r in range(1, 2 * rmax + 1)]
     assert list(models["untied_same_params"]["1"]) == ["1"]
     assert list(models["untied_same_compute"]["1"]) == [str(rmax)]
+    assert list(models["lstm"]["1"]) == ["1"]  # no rounds: one column
     # prompt length reported apart from difficulty, and the same at every difficulty
     lengths = result["prompt_length"]["tokens_by_difficulty"]
     assert list(lengths) == difficulties and len(set(lengths.values())) == 1
