@@ -224,6 +224,8 @@ class DataConfig:
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
     depth_by_difficulty: bool = False
     """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
+    round_targets: Literal["answer", "trace"] = "answer"
+    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list, one token each) at the answer's first position, and rounds from k on on the answer; with depth_by_difficulty every round from 1 is supervised."""
     eval_difficulty_max: int = 0
     """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
     eval_rounds_max: int = 0
@@ -352,6 +354,10 @@ class Recipe:
             _check(self.exit.gate, "exit.gate", "must be true when supervision.kind = learned_exit")
         if self.train.stage == 2:
             _check(self.exit.gate, "exit.gate", "must be true for train.stage = 2 (only the gate trains)")
+        if self.data.round_targets == "trace":
+            _check(bool(self.data.task), "data.round_targets", '"trace" needs task data (data.task)')
+            _check(self.supervision.kind != "learned_exit" and self.train.stage == 1, "data.round_targets",
+                   '"trace" needs per-round supervision: not supervision.kind = learned_exit or train.stage = 2')
         if self.model.untied:
             _check(self.depth.kind == "fixed", "model.untied",
                    "needs depth.kind = fixed (an untied stack has one block per visit)")

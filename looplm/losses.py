@@ -13,6 +13,7 @@ Weighted placements always combine per-round *losses*, never losses of averaged 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,10 @@ def mean_loss(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
     return per_token.sum() / mask.sum().clamp_min(1)
 
 
-def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor | None = None) -> tuple[Tensor, dict]:
-    """The training loss for one forward output and what it was made of (for the report)."""
+def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor | None = None,
+                    round_targets: Callable[[int], tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, dict]:
+    """The training loss for one forward output and what it was made of (for the report).
+    round_targets(r) -> (targets, mask) replaces targets/mask per supervised round (task traces)."""
     if cfg.kind == "learned_exit":
         per_round = torch.stack([token_losses(out.round_logits[r], targets, mask)
                                  for r in range(1, out.rounds + 1)], dim=-1)  # (B, T, R)
@@ -70,7 +73,10 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
                 "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1)).sum(-1), mask).item()}
         return total, info
     place = placement(cfg, out.rounds)
-    losses = [mean_loss(token_losses(out.round_logits[r], targets, mask), mask) for r in place.rounds]
+    losses = []
+    for r in place.rounds:
+        y, m = round_targets(r) if round_targets is not None else (targets, mask)
+        losses.append(mean_loss(token_losses(out.round_logits[r], y, m), m))
     total = sum(w * loss for w, loss in zip(place.weights, losses))
     info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback}
     return total, info

@@ -9,6 +9,8 @@ When a recipe sets `data.task` (a built-in generator of looplm.tasks, or a JSONL
     TaskSampler     the training batch of global micro-batch i: one difficulty per micro-batch
                     (under the curriculum), right-padded, with the answer-only loss mask; with
                     data.depth_by_difficulty also the rounds to run and the rounds to supervise
+    RoundTargets    data.round_targets = "trace": what each round is trained to read out (the
+                    intermediate result after r steps, then the answer)
     accuracy_table  exact-match accuracy and answer loss by difficulty x rounds
     greedy_answers  batched greedy decoding of answers, the slow reference for exact match
 
@@ -32,7 +34,7 @@ import torch
 from .config import Recipe, SupervisionConfig
 from .errors import UserError
 from .losses import token_losses
-from .tasks import ANSWER_END, SEPARATOR, TASKS, Example, answer_mask, format_example, load_jsonl
+from .tasks import ANSWER_END, SEPARATOR, TASKS, TRACERS, Example, answer_mask, format_example, load_jsonl
 from .tokenizer import ByteTokenizer
 
 # Seeds of the generator streams. Training micro-batch i of run seed s draws from seed
@@ -102,6 +104,56 @@ def encode_examples(tok: Any, examples: list[Example], context: int | None = Non
                      [ex.difficulty for ex in examples])
 
 
+@dataclass
+class RoundTargets:
+    """Per-round targets of one batch (data.round_targets = "trace"). A row whose example has
+    k - 1 trace entries is trained, at rounds r < k, on trace[r - 1] at the answer's first
+    position and nothing else; from round k on, on the whole answer (y, mask)."""
+
+    y: torch.Tensor           # (B, T) the answer targets, as in TaskBatch
+    mask: torch.Tensor        # (B, T)
+    first: torch.Tensor       # (B,) target index of the answer's first token
+    trace: torch.Tensor       # (B, K) token id of each trace entry (padded with 0)
+    steps: torch.Tensor       # (B,) trace entries per row (k - 1)
+
+    def __call__(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets, mask) for round r."""
+        rows = (self.steps >= r).nonzero().squeeze(1)          # rows still before their answer
+        if rows.numel() == 0:
+            return self.y, self.mask
+        y, mask = self.y.clone(), self.mask.clone()
+        mask[rows] = False
+        mask[rows, self.first[rows]] = True
+        y[rows, self.first[rows]] = self.trace[rows, r - 1]
+        return y, mask
+
+
+def example_trace(ex: Example, task: str) -> list[str]:
+    """An example's intermediate results: a JSONL line's "trace", else the built-in task's tracer."""
+    if "trace" in ex.meta:
+        return ex.meta["trace"]
+    if task in TRACERS:
+        return TRACERS[task](ex.prompt)
+    return []
+
+
+def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str) -> RoundTargets:
+    """The RoundTargets of an encoded batch; every trace entry must be one token."""
+    traces = []
+    for ex in examples:
+        ids = [tok.encode(t) for t in example_trace(ex, task)]
+        if any(len(i) != 1 for i in ids):
+            raise UserError(f"{_where(ex)}: every trace entry must be one token for data.round_targets = "
+                            f"\"trace\"; got {example_trace(ex, task)!r}")
+        traces.append([i[0] for i in ids])
+    K = max(1, max(len(t) for t in traces))
+    trace = torch.zeros(len(traces), K, dtype=torch.long)
+    for i, t in enumerate(traces):
+        trace[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    return RoundTargets(b.y, b.mask, torch.tensor([p - 1 for p in b.prompt_lens]), trace,
+                        torch.tensor([len(t) for t in traces]))
+
+
 # ---------------------------------------------------------------------------------------
 # Where examples come from
 
@@ -114,6 +166,10 @@ class TaskSource:
         self.task, self.seed, self.length_min = d.task, recipe.train.seed, d.train_length_min
         self.separator = d.separator
         self.builtin = is_builtin(d.task)
+        if self.builtin and d.round_targets == "trace" and d.task not in TRACERS:
+            raise UserError(f"recipe field data.round_targets = \"trace\": task {d.task} has no trace of "
+                            f"intermediate results (tasks with one: {', '.join(TRACERS)}; a JSONL file can give "
+                            f"\"trace\" lists)")
         if self.builtin:
             spec = TASKS[d.task]
             if d.difficulty_min < spec.min_difficulty:
@@ -136,7 +192,9 @@ class TaskSource:
         else:
             examples = load_jsonl(d.task)
             for ex in examples:  # refuse, naming the line, before any training
-                encode_examples(ByteTokenizer(), [ex], recipe.model.context, d.separator)
+                b = encode_examples(ByteTokenizer(), [ex], recipe.model.context, d.separator)
+                if d.round_targets == "trace":
+                    round_targets(ByteTokenizer(), [ex], b, d.task)
             if len(examples) < 2:
                 raise UserError(f"{d.task}: needs at least 2 examples (one to train on, one held out)")
             order = list(range(len(examples)))
@@ -220,7 +278,8 @@ class TaskSampler:
         return levels[random.Random(f"looplm.taskdata/level/{r.train.seed}/{index}").randrange(allowed)]
 
     def depth_plan(self, level: int, index: int) -> tuple[int, SupervisionConfig]:
-        """data.depth_by_difficulty: (rounds to run, supervision of every round from `level` on)."""
+        """data.depth_by_difficulty: (rounds to run, supervision of every round from `level` on,
+        or from round 1 with trace targets)."""
         d, r = self.recipe.depth, self.recipe
         if r.model.untied or d.kind == "fixed":
             rounds = d.rounds
@@ -228,7 +287,7 @@ class TaskSampler:
             lo = max(level, d.min, 1)
             hi = max(lo, d.max)
             rounds = random.Random(f"looplm.taskdata/rounds/{r.train.seed}/{index}").randint(lo, hi)
-        first = max(1, min(level, rounds))
+        first = 1 if r.data.round_targets == "trace" else max(1, min(level, rounds))
         return rounds, SupervisionConfig(kind="rounds", rounds=tuple(range(first, rounds + 1)))
 
     def examples(self, index: int) -> list[Example]:
@@ -248,6 +307,8 @@ class TaskSampler:
                 self._seen.add(key)
                 self._unique_tokens += n
         opts: dict[str, Any] = {"mask": b.mask}
+        if self.recipe.data.round_targets == "trace":
+            opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task)
         if self.recipe.data.depth_by_difficulty:
             opts["rounds"], opts["supervision"] = self.depth_plan(examples[0].difficulty, index)
         return b.x, b.y, opts

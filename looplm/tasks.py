@@ -351,6 +351,25 @@ def solve_parity(prompt: str) -> str:
     return str(sum(ch == "1" for ch in prompt) % 2)
 
 
+def trace_chain(prompt: str) -> list[str]:
+    """The names a chain query passes through before its digit: "c=b; a=7; b=a; ? c" -> ["b", "a"]
+    (the result after hop 1, hop 2, ...; the answer after the last hop is not included)."""
+    statements, var = _parse(prompt, "chain")
+    binding = dict(_split_statement(s, "=", "chain") for s in statements)
+    out: list[str] = []
+    while var in binding and not binding[var].isdigit():
+        var = binding[var]
+        if var in out:
+            raise UserError(f"chain: cycle through {var}")
+        out.append(var)
+    return out
+
+
+# Intermediate results step by step, for data.round_targets = "trace": round r of a looped model
+# can be trained to read out trace[r - 1] (a k-step example has k - 1 entries).
+TRACERS: dict[str, Callable[[str], list[str]]] = {"chain": trace_chain}
+
+
 SOLVERS: dict[str, Callable[[str], str]] = {
     "chain": solve_chain,
     "latest_write": solve_latest_write,
@@ -407,7 +426,9 @@ def answer_mask(prompt_ids: list[int], answer_ids: list[int]) -> tuple[list[int]
 def load_jsonl(path: str | Path) -> list[Example]:
     """Read examples from a JSON Lines file: one {"prompt": str, "answer": str} per line.
 
-    Optional "difficulty" (int) is kept; other fields are ignored. Blank lines are skipped.
+    Optional "difficulty" (int) is kept, and optional "trace" (a list of strings: the intermediate
+    result after each step, for data.round_targets = "trace"); other fields are ignored. Blank
+    lines are skipped.
     Any problem raises UserError naming the file and the 1-based line number.
     """
     path = Path(path)
@@ -447,6 +468,11 @@ def load_jsonl(path: str | Path) -> list[Example]:
         if not isinstance(difficulty, int) or isinstance(difficulty, bool):
             raise UserError(f"{where}: field 'difficulty' must be an integer, got {difficulty!r}")
         meta = {"difficulty": difficulty, "length": None, "source": str(path), "line": lineno}
+        if "trace" in obj:
+            trace = obj["trace"]
+            if not isinstance(trace, list) or not all(isinstance(t, str) and t for t in trace):
+                raise UserError(f"{where}: field 'trace' must be a list of non-empty strings, got {trace!r}")
+            meta["trace"] = list(trace)
         examples.append(Example(obj["prompt"], obj["answer"], difficulty, meta))
     if not examples:
         raise UserError(f"{path}: no examples (the file is empty)")

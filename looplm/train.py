@@ -125,9 +125,10 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
 
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
                counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None,
-               rounds: int | None = None, supervision=None):
+               rounds: int | None = None, supervision=None, round_targets=None):
     """Forward + backward for one micro-batch; returns (loss value, forward output, loss info).
-    rounds / supervision, when given (task data by difficulty), replace the recipe's draws."""
+    rounds / supervision, when given (task data by difficulty), replace the recipe's draws;
+    round_targets(r) -> (targets, mask) gives each supervised round its own targets (task traces)."""
     if rounds is None:
         rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro)
     supervision = recipe.supervision if supervision is None else supervision
@@ -141,7 +142,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         if recipe.train.stage == 2:
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
-            loss, info = supervised_loss(supervision, out, y, mask)
+            loss, info = supervised_loss(supervision, out, y, mask, round_targets)
     if collect_stats:
         for s in out.round_states:
             if s.requires_grad:

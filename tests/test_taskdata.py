@@ -199,3 +199,61 @@ def test_warmup_then_length_ramp():
     assert min(late) >= 2 and max(late) > 6 and max(late) <= 10
     # evaluation always uses task_length
     assert {len(e.prompt.split("; ")) - 1 for e in sampler.source.eval_sets(5)[1]} == {10}
+
+
+def test_trace_round_targets_through_the_sampler():
+    """data.round_targets = trace: round r < k reads the name r hops along at the answer's first
+    position only; rounds from k on read the whole answer; every round is supervised."""
+    recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": "trace",
+                            "data.difficulty_max": 3, "depth.max": 4})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    for index in range(6):
+        x, y, opts = sampler.batch(index)
+        examples = sampler.examples(index)
+        k = examples[0].difficulty
+        assert opts["supervision"].rounds == tuple(range(1, opts["rounds"] + 1))
+        targets = opts["round_targets"]
+        for r in range(1, opts["rounds"] + 1):
+            yr, mr = targets(r)
+            if r >= k:
+                assert torch.equal(yr, y) and torch.equal(mr, opts["mask"])
+                continue
+            assert mr.sum(-1).tolist() == [1] * len(examples)
+            for i, ex in enumerate(examples):
+                # walk the bindings by hand: r hops from the query
+                binding = dict(s.split("=") for s in ex.prompt.split("; ? ")[0].split("; "))
+                name = ex.prompt.rsplit("? ", 1)[1]
+                for _ in range(r):
+                    name = binding[name]
+                j = int(mr[i].nonzero())
+                assert j == int(opts["mask"][i].nonzero()[0]) and yr[i, j].item() == TOK.encode(name)[0]
+
+
+def test_trace_loss_is_the_mean_of_per_round_target_losses():
+    from looplm.losses import supervised_loss
+    from looplm.config import SupervisionConfig
+    recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": "trace", "depth.max": 3})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    model = looplm.build_model(recipe)
+    x, y, opts = sampler.batch(5)
+    out = model(x, 3, readout_rounds=(1, 2, 3))
+    loss, _ = supervised_loss(SupervisionConfig(kind="every"), out, y, opts["mask"], opts["round_targets"])
+    by_hand = []
+    for r in (1, 2, 3):
+        yr, mr = opts["round_targets"](r)
+        ce = torch.nn.functional.cross_entropy(out.round_logits[r][mr], yr[mr])
+        by_hand.append(ce)
+    assert torch.allclose(loss, sum(by_hand) / 3, atol=1e-6)
+
+
+def test_trace_needs_a_task_with_traces(tmp_path, capsys):
+    with pytest.raises(UserError, match="no trace"):
+        TaskSource(task_recipe(**{"data.task": "parity", "data.round_targets": "trace"}))
+    with pytest.raises(UserError, match="data.round_targets"):
+        task_recipe(**{"data.round_targets": "trace", "supervision.kind": "learned_exit", "exit.gate": True})
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a=1; ? a", "answer": "1", "trace": []}] * 3
+                       + [{"prompt": "b=a; a=1; ? b", "answer": "1", "trace": ["ab"]}])
+    code = main(["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}",
+                 "--set", "data.round_targets=trace"])
+    err = capsys.readouterr().err
+    assert code == 2 and "line 4" in err and "one token" in err

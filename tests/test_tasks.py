@@ -228,6 +228,8 @@ GOOD = '{"prompt": "p", "answer": "a"}\n'
     (b'{"prompt": "p", "answer": "a\\nb"}', "newline"),
     (b'{"prompt": "p", "answer": "a", "difficulty": "hard"}', "'difficulty' must be an integer"),
     (b'["p", "a"]', "JSON object"),
+    (b'{"prompt": "p", "answer": "a", "trace": "b"}', "'trace' must be a list"),
+    (b'{"prompt": "p", "answer": "a", "trace": ["b", ""]}', "'trace' must be a list"),
     (b'{"prompt": "caf\xe9", "answer": "a"}', "not valid UTF-8"),
 ])
 def test_load_jsonl_errors_name_the_line(tmp_path, bad_line, words):
@@ -250,3 +252,24 @@ def test_load_jsonl_empty_file(tmp_path, content):
 def test_load_jsonl_missing_file(tmp_path):
     with pytest.raises(UserError, match="cannot read"):
         load_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_chain_trace_follows_the_bindings_hop_by_hop():
+    from looplm.tasks import trace_chain
+    assert trace_chain("c=b; a=7; b=a; ? c") == ["b", "a"]
+    assert trace_chain("a=7; b=3; ? a") == []
+    for hops in (1, 2, 5, 8):
+        for ex in generate("chain", 20, hops, seed=hops, length=12):
+            trace = trace_chain(ex.prompt)
+            assert len(trace) == hops - 1
+            # independently: each name is bound to the next one, the last to the answer
+            binding = dict(s.split("=") for s in ex.prompt.split("; ? ")[0].split("; "))
+            query = ex.prompt.rsplit("? ", 1)[1]
+            path = [query] + trace
+            assert all(binding[a] == b for a, b in zip(path, path[1:]))
+            assert binding[path[-1]] == ex.answer == solve("chain", ex.prompt)
+
+
+def test_load_jsonl_keeps_a_trace(tmp_path):
+    path = write(tmp_path, b'{"prompt": "p", "answer": "a", "trace": ["x", "y"]}\n')
+    assert load_jsonl(path)[0].meta["trace"] == ["x", "y"]
