@@ -219,13 +219,15 @@ class DataConfig:
     warmup_steps: int = 0
     """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
     curriculum: float = 0.0
-    """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max, and (with train_length_min) the longest prompt from the shortest to task_length (0 = all at once)."""
+    """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all at once)."""
+    length_curriculum: float = 0.0
+    """Task data: with train_length_min, fraction of train.steps, after warmup_steps, over which the longest training prompt grows from the shortest to task_length (0 = all lengths at once)."""
     separator: bool = True
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
     depth_by_difficulty: bool = False
     """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
     round_targets: Literal["answer", "trace"] = "answer"
-    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list, one token each) at the answer's first position, and rounds from k on on the answer; with depth_by_difficulty every round from 1 is supervised."""
+    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list, one token each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised."""
     eval_difficulty_max: int = 0
     """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
     eval_rounds_max: int = 0
@@ -247,6 +249,7 @@ class DataConfig:
         _check(self.task_length >= 0, "data.task_length", "must be >= 0 (0 = the task's default)")
         _check(self.train_length_min >= 0, "data.train_length_min", "must be >= 0 (0 = always task_length)")
         _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(0 <= self.length_curriculum <= 1, "data.length_curriculum", "must lie in [0, 1] (a fraction of train.steps)")
         _check(self.warmup_steps >= 0, "data.warmup_steps", "must be >= 0")
         _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
                "data.eval_difficulty_max", f"must be 0 (= 2 x difficulty_max) or >= data.difficulty_min ({self.difficulty_min})")

@@ -61,7 +61,8 @@ def mean_loss(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
 def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor | None = None,
                     round_targets: Callable[[int], tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, dict]:
     """The training loss for one forward output and what it was made of (for the report).
-    round_targets(r) -> (targets, mask) replaces targets/mask per supervised round (task traces)."""
+    round_targets(r) -> (targets, mask) replaces targets/mask at supervised rounds before the final one
+    (task traces)."""
     if cfg.kind == "learned_exit":
         per_round = torch.stack([token_losses(out.round_logits[r], targets, mask)
                                  for r in range(1, out.rounds + 1)], dim=-1)  # (B, T, R)
@@ -75,7 +76,9 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
     place = placement(cfg, out.rounds)
     losses = []
     for r in place.rounds:
-        y, m = round_targets(r) if round_targets is not None else (targets, mask)
+        # the final round is the model's answer, whatever the trace says (a fixed-depth model may
+        # run fewer rounds than an example has steps)
+        y, m = round_targets(r) if round_targets is not None and r < out.rounds else (targets, mask)
         losses.append(mean_loss(token_losses(out.round_logits[r], y, m), m))
     total = sum(w * loss for w, loss in zip(place.weights, losses))
     info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback}

@@ -208,7 +208,7 @@ class TaskSource:
     def train_length(self, level: int, index: int, progress: float = 1.0) -> int | None:
         """Items per prompt in training micro-batch `index`: task_length, or with data.train_length_min
         drawn per micro-batch from lo = max(train_length_min, the level's minimum) up to a cap that
-        the curriculum raises from lo (progress 0) to task_length (progress 1)."""
+        data.length_curriculum raises from lo (progress 0) to task_length (progress 1)."""
         if not self.builtin or not self.length_min:
             return self.length
         lo = min(self.length, max(self.length_min, TASKS[self.task].min_length(level)))
@@ -260,10 +260,11 @@ class TaskSampler:
     def in_warmup(self, index: int) -> bool:
         return index // self.recipe.train.grad_accum < self.recipe.data.warmup_steps
 
-    def progress(self, index: int) -> float:
-        """How far the curriculum has got at micro-batch `index`: 0 during warm-up, 1 once it is done."""
+    def progress(self, index: int, fraction: float | None = None) -> float:
+        """How far a ramp over `fraction` of train.steps (default data.curriculum) has got at
+        micro-batch `index`: 0 during warm-up, 1 once it is done."""
         r = self.recipe
-        ramp = r.data.curriculum * r.train.steps
+        ramp = (r.data.curriculum if fraction is None else fraction) * r.train.steps
         step = index // r.train.grad_accum - r.data.warmup_steps
         if step < 0:
             return 0.0
@@ -293,7 +294,7 @@ class TaskSampler:
     def examples(self, index: int) -> list[Example]:
         level = self.level(index)
         return self.source.train_examples(level, self.recipe.train.batch_size, index,
-                                          0.0 if self.in_warmup(index) else self.progress(index))
+                                          self.progress(index, self.recipe.data.length_curriculum))
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """(x, y, train_step options): the options carry the answer mask and, with

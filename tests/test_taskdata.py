@@ -185,7 +185,8 @@ def test_jsonl_prompt_longer_than_the_context_names_the_line(tmp_path, capsys):
 
 def test_warmup_then_length_ramp():
     recipe = task_recipe(**{"data.difficulty_max": 3, "data.task_length": 10, "data.train_length_min": 2,
-                            "data.warmup_steps": 10, "data.curriculum": 0.5, "train.steps": 50})
+                            "data.warmup_steps": 10, "data.curriculum": 0.5, "data.length_curriculum": 0.5,
+                            "train.steps": 50})
     sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
 
     def items(i):
@@ -244,6 +245,13 @@ def test_trace_loss_is_the_mean_of_per_round_target_losses():
         ce = torch.nn.functional.cross_entropy(out.round_logits[r][mr], yr[mr])
         by_hand.append(ce)
     assert torch.allclose(loss, sum(by_hand) / 3, atol=1e-6)
+    # a model that stops before an example's last step still answers at its final round
+    hard = [i for i, t in enumerate(opts["round_targets"].steps.tolist()) if t >= 1]
+    assert hard, "the batch should hold multi-hop examples"
+    out1 = model(x, 1)
+    loss1, _ = supervised_loss(SupervisionConfig(kind="final"), out1, y, opts["mask"], opts["round_targets"])
+    m = opts["mask"]
+    assert torch.allclose(loss1, torch.nn.functional.cross_entropy(out1.logits[m], y[m]), atol=1e-6)
 
 
 def test_trace_needs_a_task_with_traces(tmp_path, capsys):
@@ -257,3 +265,16 @@ def test_trace_needs_a_task_with_traces(tmp_path, capsys):
                  "--set", "data.round_targets=trace"])
     err = capsys.readouterr().err
     assert code == 2 and "line 4" in err and "one token" in err
+
+
+def test_length_curriculum_is_its_own_dial():
+    """All difficulties from the start while the longest prompt still grows."""
+    recipe = task_recipe(**{"data.difficulty_max": 3, "data.task_length": 10, "data.train_length_min": 2,
+                            "data.curriculum": 0.0, "data.length_curriculum": 0.5, "train.steps": 100})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    assert {sampler.level(i) for i in range(10)} == {1, 2, 3}
+    for i in range(4):  # the cap is still one item above the shortest prompt (or the difficulty's minimum)
+        ex = sampler.examples(i)[0]
+        assert len(ex.prompt.split("; ")) - 1 <= max(2, ex.difficulty) + 1
+    late = [len(sampler.examples(i)[0].prompt.split("; ")) - 1 for i in range(60, 100)]
+    assert max(late) > 6
