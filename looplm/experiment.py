@@ -337,6 +337,12 @@ def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
         f"Prompt length is a separate dial: every prompt has {pl['items']} items (distractors pad easier "
         "examples), so difficulty never shows in the length. Mean prompt tokens by difficulty: "
         + ", ".join(f"{k}: {v:.0f}" for k, v in pl["tokens_by_difficulty"].items()) + ".", "",
+        *(["Round targets: `trace`. Every round was supervised; round r < k of a k-hop training example was "
+           "trained to read out the name reached after r hops, the final round and rounds from k on the "
+           "answer. The models never saw more than "
+           f"{result['train_difficulty_max']} hops; the per-round signal says *what* to compute at a round, "
+           "not how many rounds a harder example needs.", ""]
+          if rec["data"].get("round_targets") == "trace" else []),
         "## Summary", "", *[f"- {s}" for s in summary_lines(result)],
         *([f"- guessing among the prompt's digits would score: " + ", ".join(
             f"difficulty {k}: {100 * v:.0f}%" for k, v in result["digit_guess_baseline"].items())]
