@@ -217,13 +217,16 @@ def _read_rounds(policy: ExitPolicy, R: int, prefill: bool) -> set[int]:
 
 @torch.no_grad()
 def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None = None, *,
-               prefill: bool = False, generator: torch.Generator | None = None) -> AdaptiveOutput:
+               prefill: bool = False, generator: torch.Generator | None = None,
+               may_exit: Tensor | None = None) -> AdaptiveOutput:
     """Run `model` on idx (B, T) with per-token early exit; rounds after a token's exit are not computed.
 
     policy:  an ExitPolicy or its string; rounds: the round budget R (default: R of fixed:R, else the
     model's nominal depth). prefill=True means these are prompt tokens: they exit early only if
     policy.exit_in_prefill (evaluation passes prefill=False: exits allowed). generator: the random
-    initial state's generator, as for `model(...)`.
+    initial state's generator, as for `model(...)`. may_exit (B, T) bool: only these tokens may
+    exit before R; the others run every round (task evaluation: the prompt is prefilled at full
+    depth, the positions that predict the answer follow the policy).
     """
     policy = resolve_policy(policy)
     R = _budget(model, policy, rounds)
@@ -290,6 +293,8 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
             continue                                                   # no decision possible this round
         stop = should_exit(policy, r, R, hazards_so_far=hz, logits=logits, prev_logits=prev, prefill=prefill)
         stop = stop.expand(s_new.shape[:2])
+        if may_exit is not None and r < R:
+            stop = stop & full_to_active(may_exit)
         active = active & ~stop if lay is None else lay.put(active, ~stop)
         # Every token still active at R has run its last round; the loop ends after R.
 

@@ -85,15 +85,29 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
     import math
 
     from .taskdata import TaskSource, evaluate_examples
-    if args.exit or args.exit_sweep:
-        raise UserError("--exit/--exit-sweep: not available for task runs yet; evaluate with --rounds")
+    if args.exit_sweep:
+        raise UserError("--exit-sweep: not available for task runs; run --exit POLICY once per threshold")
     recipe = run.recipe
-    examples = [ex for exs in TaskSource(recipe).eval_sets(recipe.data.eval_examples).values() for ex in exs]
+    sets = TaskSource(recipe).eval_sets(recipe.data.eval_examples)
+    examples = [ex for exs in sets.values() for ex in exs]
     scores = evaluate_examples(run.model, run.tokenizer, examples, rounds, separator=recipe.data.separator)
     result = {"rounds": {str(r): {**v, "ppl": math.exp(min(50.0, v["loss"]))} for r, v in scores.items()},
               "examples": len(examples)}
     lines = [f"rounds {r}: answer loss {v['loss']:.4f} accuracy {100 * v['accuracy']:.1f}%"
              for r, v in result["rounds"].items()]
+    if args.exit:  # accuracy vs rounds used, by difficulty, under a per-token exit policy
+        from .adaptive import cli_policy
+        from .taskdata import evaluate_examples_exit
+        policy = cli_policy(args.exit, recipe)
+        budget = int(policy.value) if policy.kind == "fixed" else max(rounds)
+        by_level = {str(d): evaluate_examples_exit(run.model, run.tokenizer, exs, policy, budget,
+                                                   separator=recipe.data.separator) for d, exs in sets.items()}
+        total = evaluate_examples_exit(run.model, run.tokenizer, examples, policy, budget, separator=recipe.data.separator)
+        result["exit"] = {"policy": str(policy), "max_rounds": budget, **total, "by_difficulty": by_level}
+        lines.append(f"exit {policy} (budget {budget}): accuracy {100 * total['accuracy']:.1f}%, answer loss "
+                     f"{total['loss']:.4f}, mean rounds at answer positions {total['mean_rounds']:.2f}")
+        lines += [f"  difficulty {d}: accuracy {100 * v['accuracy']:.1f}%, mean rounds {v['mean_rounds']:.2f}"
+                  for d, v in by_level.items()]
     _emit(result, args.json, "\n".join(lines))
     return 0
 

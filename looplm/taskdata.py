@@ -375,6 +375,30 @@ def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example],
     return {r: {"accuracy": correct[r] / n, "loss": loss_sum[r] / max(1, tokens)} for r in rounds_list}
 
 
+@torch.no_grad()
+def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Example], policy: Any, rounds: int,
+                           batch_size: int = 64, separator: bool = True) -> dict[str, float]:
+    """Exact match and answer loss under a per-token exit policy, with the rounds it used.
+
+    The prompt runs all `rounds` rounds (as a prefill would); the positions that predict answer
+    tokens (the prompt's last token and the answer's) exit by the policy, and the rounds after
+    their exit are not computed (adaptive.early_exit). mean_rounds averages over those positions."""
+    from .adaptive import early_exit
+
+    model.eval()
+    correct, loss_sum, tokens, used = 0, 0.0, 0, 0
+    for i in range(0, len(examples), batch_size):
+        b = encode_examples(tok, examples[i:i + batch_size], getattr(model.cfg, "context", None), separator)
+        out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask)
+        hit = (out.logits.argmax(-1) == b.y) | ~b.mask                          # (B, T)
+        correct += int(hit.all(-1).sum())
+        loss_sum += token_losses(out.logits, b.y, b.mask).sum().item()
+        tokens += int(b.mask.sum())
+        used += int(out.rounds_used[b.mask].sum())
+    n = max(1, len(examples))
+    return {"accuracy": correct / n, "loss": loss_sum / max(1, tokens), "mean_rounds": used / max(1, tokens)}
+
+
 def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],
                    rounds_list: list[int], batch_size: int = 64,
                    separator: bool = True) -> dict[int, dict[int, dict[str, float]]]:

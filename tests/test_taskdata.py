@@ -278,3 +278,35 @@ def test_length_curriculum_is_its_own_dial():
         assert len(ex.prompt.split("; ")) - 1 <= max(2, ex.difficulty) + 1
     late = [len(sampler.examples(i)[0].prompt.split("; ")) - 1 for i in range(60, 100)]
     assert max(late) > 6
+
+
+def test_exit_policies_on_task_examples():
+    """Answer positions follow the exit policy, the prompt runs every round: fixed:R is the plain
+    evaluation at R; a policy that always exits at once reads every answer at round 1."""
+    from looplm.adaptive import early_exit
+    from looplm.taskdata import evaluate_examples_exit
+    recipe = task_recipe(**{"data.difficulty_max": 2})
+    torch.manual_seed(0)
+    model = looplm.build_model(recipe).eval()
+    examples = TaskSource(recipe).eval_sets(12)[2]
+    plain = evaluate_examples(model, TOK, examples, [1, 3])
+    fixed = evaluate_examples_exit(model, TOK, examples, "fixed:3", 3)
+    assert fixed["accuracy"] == plain[3]["accuracy"] and fixed["mean_rounds"] == 3
+    assert abs(fixed["loss"] - plain[3]["loss"]) < 1e-5
+    at_once = evaluate_examples_exit(model, TOK, examples, "entropy:1000", 3)
+    assert at_once["accuracy"] == plain[1]["accuracy"] and at_once["mean_rounds"] == 1
+    assert abs(at_once["loss"] - plain[1]["loss"]) < 1e-5
+    b = encode_examples(TOK, examples)
+    out = early_exit(model, b.x, "entropy:1000", 3, may_exit=b.mask)
+    assert (out.rounds_used[b.mask] == 1).all() and (out.rounds_used[~b.mask] == 3).all()
+
+
+def test_eval_exit_on_a_task_run(tmp_path, capsys):
+    recipe = task_recipe(**{"data.difficulty_max": 2, "train.steps": 2})
+    train(recipe, tmp_path / "run", quiet=True)
+    assert main(["eval", str(tmp_path / "run"), "--exit", "entropy:1000", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    ex = result["exit"]
+    assert ex["mean_rounds"] == 1 and set(ex["by_difficulty"]) == {"1", "2", "3", "4"}
+    assert 0 <= ex["accuracy"] <= 1
+    assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "entropy"]) == 2
