@@ -130,6 +130,17 @@ def train_lstm(recipe: Recipe, run_dir: Path, source: TaskSource, target_params:
 # The experiment
 
 
+def _exit_with_parent() -> None:
+    """Pool worker start-up (Linux): receive SIGTERM when the experiment's process dies, so a killed
+    experiment leaves no training workers behind."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _train_model(name: str, recipe_dict: dict[str, Any], out: str, quiet: bool, lstm_target: int) -> dict[str, Any]:
     """Train one model of the experiment into OUT/name; returns what the report needs.
     A top-level function, so a worker process can run it."""
@@ -205,7 +216,8 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
 
         _say(f"training {', '.join(order)} in {workers} worker processes of one thread each", quiet)
         one_thread = {n: apply_overrides(recipes[n].to_dict(), {"train.threads": 1}) for n in order}
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_exit_with_parent) as pool:
             futures = {n: pool.submit(_train_model, n, one_thread[n], str(out), True, lstm_target) for n in order}
             for name in order:
                 info[name] = futures[name].result()
