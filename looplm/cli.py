@@ -105,9 +105,10 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
         total = evaluate_examples_exit(run.model, run.tokenizer, examples, policy, budget, separator=recipe.data.separator)
         result["exit"] = {"policy": str(policy), "max_rounds": budget, **total, "by_difficulty": by_level}
         lines.append(f"exit {policy} (budget {budget}): accuracy {100 * total['accuracy']:.1f}%, answer loss "
-                     f"{total['loss']:.4f}, mean rounds at answer positions {total['mean_rounds']:.2f}")
-        lines += [f"  difficulty {d}: accuracy {100 * v['accuracy']:.1f}%, mean rounds {v['mean_rounds']:.2f}"
-                  for d, v in by_level.items()]
+                     f"{total['loss']:.4f}, mean rounds at answer positions {total['mean_rounds']:.2f} (at the "
+                     f"answer's first token {total['mean_rounds_first_token']:.2f})")
+        lines += [f"  difficulty {d}: accuracy {100 * v['accuracy']:.1f}%, mean rounds {v['mean_rounds']:.2f} "
+                  f"(first token {v['mean_rounds_first_token']:.2f})" for d, v in by_level.items()]
     _emit(result, args.json, "\n".join(lines))
     return 0
 

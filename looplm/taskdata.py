@@ -382,11 +382,12 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
 
     The prompt runs all `rounds` rounds (as a prefill would); the positions that predict answer
     tokens (the prompt's last token and the answer's) exit by the policy, and the rounds after
-    their exit are not computed (adaptive.early_exit). mean_rounds averages over those positions."""
+    their exit are not computed (adaptive.early_exit). mean_rounds averages over those positions,
+    mean_rounds_first_token over the positions that predict the answer's first token."""
     from .adaptive import early_exit
 
     model.eval()
-    correct, loss_sum, tokens, used = 0, 0.0, 0, 0
+    correct, loss_sum, tokens, used, used_first = 0, 0.0, 0, 0, 0
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], getattr(model.cfg, "context", None), separator)
         out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask)
@@ -395,8 +396,11 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
         loss_sum += token_losses(out.logits, b.y, b.mask).sum().item()
         tokens += int(b.mask.sum())
         used += int(out.rounds_used[b.mask].sum())
+        first = torch.tensor([p - 1 for p in b.prompt_lens])                    # predicts the answer's first token
+        used_first += int(out.rounds_used[torch.arange(len(first)), first].sum())
     n = max(1, len(examples))
-    return {"accuracy": correct / n, "loss": loss_sum / max(1, tokens), "mean_rounds": used / max(1, tokens)}
+    return {"accuracy": correct / n, "loss": loss_sum / max(1, tokens), "mean_rounds": used / max(1, tokens),
+            "mean_rounds_first_token": used_first / n}
 
 
 def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],

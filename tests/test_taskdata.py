@@ -295,6 +295,7 @@ def test_exit_policies_on_task_examples():
     assert abs(fixed["loss"] - plain[3]["loss"]) < 1e-5
     at_once = evaluate_examples_exit(model, TOK, examples, "entropy:1000", 3)
     assert at_once["accuracy"] == plain[1]["accuracy"] and at_once["mean_rounds"] == 1
+    assert fixed["mean_rounds_first_token"] == 3 and at_once["mean_rounds_first_token"] == 1
     assert abs(at_once["loss"] - plain[1]["loss"]) < 1e-5
     b = encode_examples(TOK, examples)
     out = early_exit(model, b.x, "entropy:1000", 3, may_exit=b.mask)
