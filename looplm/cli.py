@@ -85,8 +85,6 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
     import math
 
     from .taskdata import TaskSource, evaluate_examples
-    if args.exit_sweep:
-        raise UserError("--exit-sweep: not available for task runs; run --exit POLICY once per threshold")
     recipe = run.recipe
     sets = TaskSource(recipe).eval_sets(recipe.data.eval_examples)
     examples = [ex for exs in sets.values() for ex in exs]
@@ -95,8 +93,8 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
               "examples": len(examples)}
     lines = [f"rounds {r}: answer loss {v['loss']:.4f} accuracy {100 * v['accuracy']:.1f}%"
              for r, v in result["rounds"].items()]
+    from .adaptive import cli_policy
     if args.exit:  # accuracy vs rounds used, by difficulty, under a per-token exit policy
-        from .adaptive import cli_policy
         from .taskdata import evaluate_examples_exit
         policy = cli_policy(args.exit, recipe)
         budget = int(policy.value) if policy.kind == "fixed" else max(rounds)
@@ -109,6 +107,23 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
                      f"answer's first token {total['mean_rounds_first_token']:.2f})")
         lines += [f"  difficulty {d}: accuracy {100 * v['accuracy']:.1f}%, mean rounds {v['mean_rounds']:.2f} "
                   f"(first token {v['mean_rounds_first_token']:.2f})" for d, v in by_level.items()]
+    if args.exit_sweep:  # accuracy vs rounds used over one policy kind's thresholds
+        from .adaptive import default_thresholds, parse_sweep
+        from .taskdata import encode_examples, evaluate_examples_exit
+        kind, thresholds = parse_sweep(args.exit_sweep)
+        budget = max(rounds)
+        if thresholds is None:
+            b = encode_examples(run.tokenizer, examples[:64], run.model.cfg.context, recipe.data.separator)
+            thresholds = default_thresholds(run.model, kind, [(b.x, b.y)], budget)
+        rows = []
+        for v in thresholds:
+            policy = cli_policy(f"{kind}:{v}", recipe)
+            rows.append({"policy": str(policy), **evaluate_examples_exit(
+                run.model, run.tokenizer, examples, policy, budget, separator=recipe.data.separator)})
+        result["sweep"] = rows
+        lines.append(f"exit sweep {kind} (budget {budget} rounds):")
+        lines += [f"  {r['policy']:>18s}: accuracy {100 * r['accuracy']:.1f}%, mean rounds {r['mean_rounds']:.2f} "
+                  f"(first token {r['mean_rounds_first_token']:.2f})" for r in rows]
     _emit(result, args.json, "\n".join(lines))
     return 0
 

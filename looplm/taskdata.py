@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -383,14 +384,17 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
     The prompt runs all `rounds` rounds (as a prefill would); the positions that predict answer
     tokens (the prompt's last token and the answer's) exit by the policy, and the rounds after
     their exit are not computed (adaptive.early_exit). mean_rounds averages over those positions,
-    mean_rounds_first_token over the positions that predict the answer's first token."""
+    mean_rounds_first_token over the positions that predict the answer's first token; wall_time_s
+    times the early-exit forward passes."""
     from .adaptive import early_exit
 
     model.eval()
-    correct, loss_sum, tokens, used, used_first = 0, 0.0, 0, 0, 0
+    correct, loss_sum, tokens, used, used_first, wall = 0, 0.0, 0, 0, 0, 0.0
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], getattr(model.cfg, "context", None), separator)
+        t0 = time.perf_counter()
         out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask)
+        wall += time.perf_counter() - t0
         hit = (out.logits.argmax(-1) == b.y) | ~b.mask                          # (B, T)
         correct += int(hit.all(-1).sum())
         loss_sum += token_losses(out.logits, b.y, b.mask).sum().item()
@@ -400,7 +404,7 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
         used_first += int(out.rounds_used[torch.arange(len(first)), first].sum())
     n = max(1, len(examples))
     return {"accuracy": correct / n, "loss": loss_sum / max(1, tokens), "mean_rounds": used / max(1, tokens),
-            "mean_rounds_first_token": used_first / n}
+            "mean_rounds_first_token": used_first / n, "wall_time_s": wall}
 
 
 def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],

@@ -310,4 +310,10 @@ def test_eval_exit_on_a_task_run(tmp_path, capsys):
     ex = result["exit"]
     assert ex["mean_rounds"] == 1 and set(ex["by_difficulty"]) == {"1", "2", "3", "4"}
     assert 0 <= ex["accuracy"] <= 1
-    assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "entropy"]) == 2
+    assert ex["wall_time_s"] > 0
+    # a sweep: one row per threshold; always-exit reads round 1, never-exit (threshold 0) runs the budget
+    assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--exit-sweep", "entropy:1000,0.000001", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["sweep"]
+    assert [r["policy"] for r in rows] == ["entropy:1000.0", "entropy:1e-06"]
+    assert rows[0]["mean_rounds"] == 1 and rows[1]["mean_rounds"] == 3
+    assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "entropy:x"]) == 2

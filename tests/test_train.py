@@ -126,4 +126,4 @@ def test_eval_on_a_task_run_reports_accuracy(tmp_path, capsys):
         assert 0 <= out["rounds"][r]["accuracy"] <= 1 and out["rounds"][r]["loss"] > 0
     assert main(["eval", str(tmp_path / "run"), "--exit", "fixed:1"]) == 0   # accuracy vs rounds used
     assert "exit fixed:1 (budget 1)" in capsys.readouterr().out
-    assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "entropy"]) == 2
+    assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "nonsense"]) == 2
