@@ -352,8 +352,8 @@ def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
         *(["Round targets: `trace`. Every round was supervised; round r < k of a k-hop training example was "
            "trained to read out the name reached after r hops, the final round and rounds from k on the "
            "answer. The models never saw more than "
-           f"{result['train_difficulty_max']} hops; the per-round signal says *what* to compute at a round, "
-           "not how many rounds a harder example needs.", ""]
+           f"{result['train_difficulty_max']} hops; the per-round signal fixes what one round computes (one hop), "
+           "so whether more rounds solve longer chains is what the tables below test.", ""]
           if rec["data"].get("round_targets") == "trace" else []),
         "## Summary", "", *[f"- {s}" for s in summary_lines(result)],
         *([f"- guessing among the prompt's digits would score: " + ", ".join(
