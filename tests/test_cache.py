@@ -222,3 +222,18 @@ def test_the_models_own_forward_drives_the_cache(n_coda):
     for t, out in zip(range(8, 12), outs):
         for r in ((1, 2, 3) if n_coda == 0 else (3,)):
             assert (out.round_logits[r][:, 0] - ref.round_logits[r][:, t]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_cached_decode_with_per_thread_weight_slices_equals_forward(threads):
+    """With several threads one-row products run as a bmm over output slices; same numbers."""
+    model = tiny(**{"model.n_kv_heads": 4})
+    idx = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        ref = model(idx, 3).logits
+        got = cached_logits(model, idx, 3, prefix=5)
+    finally:
+        torch.set_num_threads(before)
+    assert (got - ref).abs().max().item() < 1e-5

@@ -288,3 +288,27 @@ def test_bench_decode_quick_json(capsys):
             assert key in r
     assert "looplm_batch8_vs_batch1" in out["ratios"]
     assert main(["bench", "decode", "--runs", "0"]) == 2
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_one_row_weight_layouts_compute_x_times_w_transposed(threads, rows):
+    from looplm.generation import _mm, _row_weight
+    w = torch.randn(96, 40, generator=torch.Generator().manual_seed(threads))
+    x = torch.randn(2, rows, 40, generator=torch.Generator().manual_seed(rows))[:1]
+    wr = _row_weight(w, threads)
+    assert wr.shape == ((40, 96) if threads == 1 else (threads, 40, 96 // threads))
+    assert torch.allclose(_mm(x, (wr, None)), x @ w.t(), atol=1e-5)
+    assert _row_weight(torch.randn(10, 4), 4).shape == (4, 10)          # 10 outputs do not split in 4
+
+
+def test_a_new_thread_count_rebuilds_the_kernels():
+    m = tiny()
+    eng = Engine(m, TOK, GenerationConfig())
+    k = eng._kernels()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert k.stale() and eng._kernels() is not k
+    finally:
+        torch.set_num_threads(before)
