@@ -12,8 +12,9 @@ on training; a seeded init keeps runs comparable). Every row runs in its own sub
 `peak_rss_bytes` is that engine's own peak. Each row does one warm-up, then the rows are timed
 in turns (row 1, row 2, ..., row 1, ...) `runs` times and medians are reported, so load from
 elsewhere on the machine falls on every engine alike. All engines use the same number of torch
-threads (default 1: on a shared machine, one thread per process is the setting least disturbed
-by other load).
+threads: by default every core this process may run on (a decode step of one row is bound by
+reading the weights, and looplm reads them on every thread); `--threads 1` is the setting least
+disturbed by other load on a shared machine.
 
 Measured per row: ttft_s (prompt in, first token out), prefill_tokens_per_s (prompt tokens /
 ttft), decode_tokens_per_s (tokens after the first / time after the first, summed over the
@@ -257,7 +258,7 @@ class _RowProcess:
         self.proc.wait(timeout=30)
 
 
-def bench_decode(runs: int = 5, threads: int = 1, new_tokens: int = 128, quick: bool = False,
+def bench_decode(runs: int = 5, threads: int = 0, new_tokens: int = 128, quick: bool = False,
                  peers: bool = True) -> dict[str, Any]:
     """Every row of the decode benchmark; the CONTRACT's `bench decode --json` object.
 
@@ -269,8 +270,9 @@ def bench_decode(runs: int = 5, threads: int = 1, new_tokens: int = 128, quick: 
     from .errors import UserError
     if runs < 1:
         raise UserError(f"--runs {runs}: must be >= 1")
-    if threads < 1:
-        raise UserError(f"--threads {threads}: must be >= 1")
+    if threads < 0:
+        raise UserError(f"--threads {threads}: must be >= 0 (0 = every core this process may use)")
+    threads = threads or len(os.sched_getaffinity(0))
     if not 2 <= new_tokens <= 256 - PROMPT_LEN:
         raise UserError(f"--new-tokens {new_tokens}: must lie in 2..{256 - PROMPT_LEN} (context 256, prompt 32)")
     specs = _row_specs(new_tokens, quick, peers)

@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bn.add_subparsers(dest="bench", required=True)
     bd = bsub.add_parser("decode", help="prefill/decode tokens/s, TTFT, latency, memory vs HF and x-transformers")
     bd.add_argument("--runs", type=int, default=5, help="timed runs per row (the median is reported)")
-    bd.add_argument("--threads", type=int, default=1, help="torch CPU threads for every engine (default 1)")
+    bd.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads for every engine (default 0: every core this process may use)")
     bd.add_argument("--new-tokens", type=int, default=128)
     bd.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
     bd.add_argument("--no-peers", action="store_true", help="skip the hf-llama and x-transformers rows")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -287,7 +288,9 @@ def test_bench_decode_quick_json(capsys):
         for key in ("batch", "decode_tokens_per_s", "prefill_tokens_per_s", "ttft_s", "peak_rss_bytes"):
             assert key in r
     assert "looplm_batch8_vs_batch1" in out["ratios"]
+    assert out["threads"] == len(os.sched_getaffinity(0))        # the default: every usable core
     assert main(["bench", "decode", "--runs", "0"]) == 2
+    assert main(["bench", "decode", "--threads", "-1"]) == 2
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
