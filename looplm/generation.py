@@ -533,13 +533,15 @@ _W = tuple[Tensor, Tensor | None]    # a matrix for one row (see _row_weight) an
 
 def _row_weight(w: Tensor, threads: int) -> Tensor:
     """W (out, in) laid out for one-row products: (in, out) contiguous, or with several threads
-    (P, in, out/P) contiguous, one slice of the outputs per thread. A single-row product is bound
-    by reading W; one `torch.mm` of a row reads it on one thread, while a `bmm` over P slices reads
-    it on P threads (batch-1 decode steps about 1.4x faster with 2 threads on the bench machine)."""
+    (P, in, out/P) contiguous, one slice of the outputs per thread (P: the most slices, up to the
+    thread count, that divide the outputs). A single-row product is bound by reading W; one
+    `torch.mm` of a row reads it on one thread, while a `bmm` over P slices reads it on P threads
+    (batch-1 decode steps about 1.4x faster with 2 threads on the bench machine)."""
     out = w.shape[0]
-    if threads < 2 or out % threads or w.device.type != "cpu":
+    P = max(p for p in range(1, max(threads, 1) + 1) if out % p == 0)    # slices that divide the outputs
+    if P < 2 or w.device.type != "cpu":
         return w.t().contiguous()
-    return w.t().reshape(w.shape[1], threads, out // threads).transpose(0, 1).contiguous()
+    return w.t().reshape(w.shape[1], P, out // P).transpose(0, 1).contiguous()
 
 
 def _mm(x: Tensor, w: _W) -> Tensor:

@@ -302,7 +302,8 @@ def test_one_row_weight_layouts_compute_x_times_w_transposed(threads, rows):
     wr = _row_weight(w, threads)
     assert wr.shape == ((40, 96) if threads == 1 else (threads, 40, 96 // threads))
     assert torch.allclose(_mm(x, (wr, None)), x @ w.t(), atol=1e-5)
-    assert _row_weight(torch.randn(10, 4), 4).shape == (4, 10)          # 10 outputs do not split in 4
+    assert _row_weight(torch.randn(10, 4), 4).shape == (2, 4, 5)        # 10 outputs split in 2, not 4
+    assert _row_weight(torch.randn(7, 4), 4).shape == (4, 7)            # 7 do not split
 
 
 def test_a_new_thread_count_rebuilds_the_kernels():
