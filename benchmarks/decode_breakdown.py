@@ -4,8 +4,8 @@
 
 For each batch size it times greedy decoding four ways in one process: as is, with the
 decode-time attention replaced by a stand-in that returns its query (no key/value reads), with
-the decode-time matrix products replaced by a preallocated zero result (no weight reads), and
-with both. Each figure is the median over `--runs` generations of the mean time per decode step.
+the one-column matrix products (the blocks' and the LM head's) replaced by a preallocated zero
+result (no weight reads), and with both. Each figure is the median over `--runs` generations of the mean time per decode step.
 The differences say what attention and the matmuls cost *inside* a real step (where they compete
 for cache with everything else), which timing them alone does not; "rest" is what is left when
 both are gone (norms, RoPE, residuals, cache writes, sampling, Python).
@@ -43,12 +43,13 @@ class _Stubs:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
     def mm(self, x, w):
-        if self.matmul and x.dim() == 3 and x.shape[1] == 1:
+        # one column: (B, 1, in) inside the blocks, (B, in) at the head
+        if self.matmul and (x.dim() == 2 or x.shape[-2] == 1):
             wr = w[0]
             out = wr.shape[0] * wr.shape[2] if wr.dim() == 3 else wr.shape[1]
-            key = (x.shape[0], out)
+            key = (*x.shape[:-1], out)
             if key not in self._zeros:
-                self._zeros[key] = torch.zeros(x.shape[0], 1, out, dtype=x.dtype)
+                self._zeros[key] = torch.zeros(key, dtype=x.dtype)
             return self._zeros[key]
         return self._mm(x, w)
 
