@@ -23,7 +23,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-import looplm.generation as gen
+import looplm.kernels as kernels
 from looplm.bench import BENCH_S, _prompts
 from looplm.config import load_recipe
 from looplm.generation import Engine, GenerationConfig, SamplingParams
@@ -35,7 +35,7 @@ class _Stubs:
 
     def __init__(self) -> None:
         self.attention = self.matmul = False
-        self._mm, self._zeros = gen._mm, {}
+        self._mm, self._zeros = kernels.mm, {}
 
     def sdpa(self, q, k, v, attn_mask=None, enable_gqa=False):
         if self.attention and q.shape[2] == 1:
@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     stubs = _Stubs()
-    gen._mm, gen.F = stubs.mm, _F(stubs)
+    kernels.mm, kernels.F = stubs.mm, _F(stubs)
     torch.manual_seed(0)
     model = build_model(load_recipe("quickstart", overrides=BENCH_S)).eval()
     engine = Engine(model, None, GenerationConfig())

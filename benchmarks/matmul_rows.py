@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from looplm.generation import _packed, _row_weight
+from looplm.kernels import packed_weight, row_weight
 
 # (out, in) of each bench-s matrix and how often a decode step uses it
 SHAPES = {"qkv": ((768, 256), 8), "out": ((256, 256), 8), "gate/up": ((1408, 256), 8),
@@ -69,7 +69,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, ((out, inp), uses) in SHAPES.items():
             w = torch.randn(out, inp)
-            packed, wt, wr = _packed(w), w.t().contiguous(), _row_weight(w, args.threads)
+            packed, wt, wr = packed_weight(w), w.t().contiguous(), row_weight(w, args.threads)
             if packed is None:
                 raise SystemExit("oneDNN packed weights are unavailable here")
             for rows in (1, 8):
@@ -86,7 +86,7 @@ def main() -> None:
         for rows in (1, 8):
             print(f"{'step':>8} {rows:>4} " + " ".join(f"{step[rows, b]:>8.0f}" for b in backends))
         tiny = torch.randn(16, 16)
-        tp, tx = _packed(tiny), torch.randn(8, 16)
+        tp, tx = packed_weight(tiny), torch.randn(8, 16)
         fixed = median_us(lambda: torch.ops.mkldnn._linear_pointwise(tx, tp, None, "none", [], ""), args.repeats)
         print(f"oneDNN 16x16 product at 8 rows (its fixed per-call cost): {fixed:.1f} us; x 33 products = "
               f"{33 * fixed:.0f} us per step")

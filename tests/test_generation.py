@@ -296,14 +296,14 @@ def test_bench_decode_quick_json(capsys):
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_one_row_weight_layouts_compute_x_times_w_transposed(threads, rows):
-    from looplm.generation import _mm, _row_weight
+    from looplm.kernels import mm, row_weight
     w = torch.randn(96, 40, generator=torch.Generator().manual_seed(threads))
     x = torch.randn(2, rows, 40, generator=torch.Generator().manual_seed(rows))[:1]
-    wr = _row_weight(w, threads)
+    wr = row_weight(w, threads)
     assert wr.shape == ((40, 96) if threads == 1 else (threads, 40, 96 // threads))
-    assert torch.allclose(_mm(x, (wr, None)), x @ w.t(), atol=1e-5)
-    assert _row_weight(torch.randn(10, 4), 4).shape == (2, 4, 5)        # 10 outputs split in 2, not 4
-    assert _row_weight(torch.randn(7, 4), 4).shape == (4, 7)            # 7 do not split
+    assert torch.allclose(mm(x, (wr, None)), x @ w.t(), atol=1e-5)
+    assert row_weight(torch.randn(10, 4), 4).shape == (2, 4, 5)        # 10 outputs split in 2, not 4
+    assert row_weight(torch.randn(7, 4), 4).shape == (4, 7)            # 7 do not split
 
 
 def test_a_new_thread_count_rebuilds_the_kernels():

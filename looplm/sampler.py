@@ -1,0 +1,223 @@
+"""Per-row token choice and text for the cached engine.
+
+`SamplingParams` is what one request asks for; `Sampler` applies it to a batch's logits row by
+row (repetition penalty, temperature, top-k, top-p, one seeded generator per row) and does the
+draft/verify arithmetic of speculative decoding; `RowText` turns a row's tokens into text deltas
+that never split a character or show part of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request samples; every field is checked here (UserError names it)."""
+
+    max_new_tokens: int = 64
+    """Tokens to generate at most (the eos token and stop strings end earlier)."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Sample only from the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    repetition_penalty: float = 1.0
+    """CTRL penalty on tokens already in the prompt or output: positive logits / p, negative * p (1 = off)."""
+    stop: tuple[str, ...] = ()
+    """Generation ends when the text contains one of these; the text is cut before it."""
+    seed: int = 0
+    """Seeds sampling and a random initial loop state; the same seed gives the same output."""
+    stop_at_eos: bool = True
+    """End a row when it emits the tokenizer's eos token."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str, value: Any) -> UserError:
+            return UserError(f"{name} {value!r}: {allowed}")
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "must be an integer >= 1", self.max_new_tokens)
+        if not is_num(self.temperature) or not 0 <= self.temperature <= 100:
+            raise bad("temperature", "must be a number in [0, 100] (0 = greedy)", self.temperature)
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be an integer >= 0 (0 = off)", self.top_k)
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be a number in (0, 1]", self.top_p)
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "must be a number in (0, 100] (1 = off)", self.repetition_penalty)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", "must be at most 16 non-empty strings", self.stop)
+        object.__setattr__(self, "stop", stop)
+        if not is_int(self.seed):
+            raise bad("seed", "must be an integer", self.seed)
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+class Sampler:
+    """Per-row sampling: repetition penalty, temperature, top-k, top-p, a seeded generator per row."""
+
+    def __init__(self, plist: list[SamplingParams], prompts: list[list[int]], vocab: int, device: torch.device):
+        self.plist, self.V = plist, vocab
+        self.gens = [torch.Generator().manual_seed(sp.seed) for sp in plist]
+        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 for sp in plist)
+        self.penalised = any(sp.repetition_penalty != 1.0 for sp in plist)
+        self.seen: Tensor | None = None
+        if self.penalised:
+            self.seen = torch.zeros(len(plist), vocab, dtype=torch.bool, device=device)
+            for b, p in enumerate(prompts):
+                self.seen[b, torch.tensor(p, dtype=torch.long)] = True
+            self.penalty = torch.tensor([[sp.repetition_penalty] for sp in plist], device=device)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """(B, V) -> (B,) next tokens."""
+        if self.plain:
+            return logits.argmax(-1)
+        logits = logits.float()
+        if self.seen is not None:
+            logits = penalise(logits, self.seen, self.penalty)
+        out = logits.argmax(-1)
+        for b, sp in enumerate(self.plist):
+            if not sp.greedy:
+                probs = sampling_probs(logits[b], sp)
+                out[b] = torch.multinomial(probs.cpu(), 1, generator=self.gens[b])[0]
+        return out
+
+    def observe(self, tokens: Tensor) -> None:
+        if self.seen is not None:
+            self.seen[torch.arange(tokens.shape[0]), tokens] = True
+
+    def observe_one(self, tok: int) -> None:
+        if self.seen is not None:
+            self.seen[0, tok] = True
+
+    # batch-1 helpers for speculative decoding: `extra` are tokens drafted after the committed ones
+    def _processed(self, logits: Tensor, extra: list[int]) -> Tensor:
+        logits = logits.float()
+        if self.seen is not None:
+            seen = self.seen[0].clone()
+            if extra:
+                seen[torch.tensor(extra)] = True
+            logits = penalise(logits[None], seen[None], self.penalty[:1])[0]
+        return logits
+
+    def pick(self, logits: Tensor, extra: list[int]) -> tuple[int, Tensor | None]:
+        """A draft token and the draft distribution q (None when greedy)."""
+        sp = self.plist[0]
+        lg = self._processed(logits, extra)
+        if sp.greedy:
+            return int(lg.argmax()), None
+        q = sampling_probs(lg, sp).cpu()
+        return int(torch.multinomial(q, 1, generator=self.gens[0])[0]), q
+
+    def verify(self, logits: Tensor, drafts: list[int], qs: list[Tensor | None]) -> tuple[int, int]:
+        """logits (k+1, V) at full depth -> (accepted drafts, the verifier's next token)."""
+        sp, g = self.plist[0], self.gens[0]
+        for j, d in enumerate(drafts):
+            lg = self._processed(logits[j], drafts[:j])
+            if sp.greedy:
+                v = int(lg.argmax())
+                if v != d:
+                    return j, v
+                continue
+            p, q = sampling_probs(lg, sp).cpu(), qs[j]
+            assert q is not None
+            if float(torch.rand((), generator=g)) < min(1.0, float(p[d] / q[d].clamp_min(1e-30))):
+                continue
+            resid = (p - q).clamp_min(0)
+            resid = resid / resid.sum() if float(resid.sum()) > 0 else p
+            return j, int(torch.multinomial(resid, 1, generator=g)[0])
+        lg = self._processed(logits[len(drafts)], drafts)
+        if sp.greedy:
+            return len(drafts), int(lg.argmax())
+        return len(drafts), int(torch.multinomial(sampling_probs(lg, sp).cpu(), 1, generator=g)[0])
+
+
+def penalise(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
+    """CTRL repetition penalty on tokens seen so far: (B, V), (B, V) bool, (B, 1)."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def sampling_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
+    """(V,) processed logits -> sampling distribution after temperature, top-k and top-p."""
+    lg = logits / sp.temperature
+    if 0 < sp.top_k < lg.shape[-1]:
+        kth = torch.topk(lg, sp.top_k).values[-1]
+        lg = lg.masked_fill(lg < kth, float("-inf"))
+    probs = torch.softmax(lg, dim=-1)
+    if sp.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = cum - sorted_p >= sp.top_p            # keep the smallest prefix reaching top_p (at least one)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum()
+    return probs
+
+
+class RowText:
+    """Incremental detokenisation for one row: complete characters only, stop strings cut."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], deltas: bool):
+        self.tok, self.stops, self.deltas = tokenizer, stops, deltas
+        self.ids: list[int] = []
+        self.shown = 0          # characters already handed out
+        self.final: str | None = None
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Add a token; return (new safe text, whether a stop string ended the row)."""
+        self.ids.append(token)
+        if self.tok is None or not (self.deltas or self.stops):
+            return "", False
+        text = self.tok.decode(self.ids)
+        if self.stops:
+            lo = max(0, self.shown - max(map(len, self.stops)))
+            hits = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+            if hits:
+                self.final = text[:min(hits)]
+                delta = self.final[self.shown:] if self.deltas else ""
+                self.shown = len(self.final)
+                return delta, True
+        if not self.deltas:
+            return "", False
+        safe = len(text)
+        while safe > self.shown and text[safe - 1] == "\ufffd":   # maybe a character cut in half
+            safe -= 1
+        for s in self.stops:                                       # maybe the start of a stop string
+            for n in range(min(len(s) - 1, safe - self.shown), 0, -1):
+                if text[safe - n:safe] == s[:n]:
+                    safe -= n
+                    break
+        delta = text[self.shown:safe]
+        self.shown = safe
+        return delta, False
+
+    def finish(self) -> str:
+        """The rest of the text (at the end of the row)."""
+        if self.tok is None:
+            return ""
+        text = self.final if self.final is not None else self.tok.decode(self.ids)
+        if not self.deltas:
+            return text
+        delta = text[self.shown:]
+        self.shown = len(text)
+        return delta
