@@ -160,15 +160,15 @@ class Engine:
         """Yield one TokenEvent per generated token per row, as soon as it is sampled."""
         ids, plist = self._prepare(prompts, params)
         if self.speculative is not None:
-            return self._speculative_events(ids, plist, deltas=True)
-        return self._batch_events(ids, plist, deltas=True)
+            return _in_inference_mode(self._speculative_events(ids, plist, deltas=True))
+        return _in_inference_mode(self._batch_events(ids, plist, deltas=True))
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Generate for every prompt (one batch); one Completion per prompt, in order."""
         ids, plist = self._prepare(prompts, params)
-        events = (self._speculative_events(ids, plist, deltas=False) if self.speculative is not None
-                  else self._batch_events(ids, plist, deltas=False))
+        events = _in_inference_mode(self._speculative_events(ids, plist, deltas=False) if self.speculative is not None
+                                    else self._batch_events(ids, plist, deltas=False))
         toks: list[list[int]] = [[] for _ in ids]
         rounds: list[list[int]] = [[] for _ in ids]
         texts = [""] * len(ids)
@@ -309,7 +309,9 @@ class Engine:
         return out, used
 
     # -- batched decoding -----------------------------------------------------------------
-    def _batch_events(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool) -> Iterator[TokenEvent]:
+    def _batch_events(self, ids: list[list[int]], plist: list[SamplingParams],
+                      deltas: bool) -> Iterator[list[TokenEvent]]:
+        """One list of TokenEvents per decode step (the rows still running, in order)."""
         self._kernels()
         dev = next(self.model.parameters()).device
         B = len(ids)
@@ -331,48 +333,49 @@ class Engine:
                                  "prefill_cache": self.config.prefill_cache, "decode_cache": self.config.decode_cache,
                                  "missing": self.config.missing, "cache_bytes": cache.nbytes()}
         self.last_stats = stats
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            if self.adaptive and self.policy.exit_in_prefill:    # prompt tokens may exit: one column at a time
-                for c in range(P):
-                    logits, used = self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)
-            else:
-                logits, used = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise)
-            nxt = sampler(logits)
-            t1 = time.perf_counter()
-            stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=sum(map(len, ids)) / max(t1 - t0, 1e-9))
-            col, step_start, cpu_start = P, t1, time.process_time()
-            while True:
-                used_l = [used] * B if isinstance(used, int) else used.tolist()
-                nxt_l = nxt.tolist()
-                for b in range(B):
-                    if done[b]:
-                        continue
-                    tok = nxt_l[b]
-                    n_out[b] += 1
-                    reason = None
-                    if _is_eos(plist[b], eos, tok):
+        t0 = time.perf_counter()
+        if self.adaptive and self.policy.exit_in_prefill:    # prompt tokens may exit: one column at a time
+            for c in range(P):
+                logits, used = self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)
+        else:
+            logits, used = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise)
+        nxt = sampler(logits)
+        t1 = time.perf_counter()
+        stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=sum(map(len, ids)) / max(t1 - t0, 1e-9))
+        col, step_start, cpu_start = P, t1, time.process_time()
+        while True:
+            used_l = [used] * B if isinstance(used, int) else used.tolist()
+            nxt_l = nxt.tolist()
+            events = []
+            for b in range(B):
+                if done[b]:
+                    continue
+                tok = nxt_l[b]
+                n_out[b] += 1
+                reason = None
+                if _is_eos(plist[b], eos, tok):
+                    reason = "stop"
+                    delta = texts[b].finish()
+                else:
+                    delta, hit = texts[b].push(tok)
+                    if hit:
                         reason = "stop"
-                        delta = texts[b].finish()
-                    else:
-                        delta, hit = texts[b].push(tok)
-                        if hit:
-                            reason = "stop"
-                            delta += texts[b].finish()
-                        elif n_out[b] >= plist[b].max_new_tokens:
-                            reason = "length"
-                            delta += texts[b].finish()
-                    done[b] = reason is not None
-                    yield TokenEvent(row=b, token=tok, text=delta, rounds=used_l[b], finish_reason=reason)
-                if all(done):
-                    break
-                sampler.observe(nxt)
-                logits, used = self.run_chunk(nxt.view(B, 1), col, cache, noise=noise)
-                nxt = sampler(logits)
-                col += 1
-                now = time.perf_counter()
-                latencies.append(now - step_start)
-                step_start = now
+                        delta += texts[b].finish()
+                    elif n_out[b] >= plist[b].max_new_tokens:
+                        reason = "length"
+                        delta += texts[b].finish()
+                done[b] = reason is not None
+                events.append(TokenEvent(row=b, token=tok, text=delta, rounds=used_l[b], finish_reason=reason))
+            yield events
+            if all(done):
+                break
+            sampler.observe(nxt)
+            logits, used = self.run_chunk(nxt.view(B, 1), col, cache, noise=noise)
+            nxt = sampler(logits)
+            col += 1
+            now = time.perf_counter()
+            latencies.append(now - step_start)
+            step_start = now
         decode_s = sum(latencies)
         stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=B * len(latencies),
                      decode_tokens_per_s=B * len(latencies) / decode_s if latencies else 0.0,
@@ -380,7 +383,8 @@ class Engine:
 
     # -- self-speculative decoding (batch 1) ------------------------------------------------
     def _speculative_events(self, ids: list[list[int]], plist: list[SamplingParams],
-                            deltas: bool) -> Iterator[TokenEvent]:
+                            deltas: bool) -> Iterator[list[TokenEvent]]:
+        """One list of TokenEvents per verification (the accepted drafts and the verifier's token)."""
         assert self.speculative is not None
         self._kernels()
         draft_rounds, K = self.speculative
@@ -399,57 +403,75 @@ class Engine:
         spec = stats["speculative"]
         self.last_stats = stats
         n_out = 0
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            logits, _ = self.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", noise=noise)
-            pending = int(sampler(logits)[0])
-            t1 = time.perf_counter()
-            stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=P / max(t1 - t0, 1e-9))
-            emit, col = [pending], P          # emit: tokens to hand out; pending sits at column col
-            decode_start, cpu_start = t1, time.process_time()
-            while True:
-                for tok in emit:
-                    n_out += 1
-                    reason = None
-                    if _is_eos(sp, eos, tok):
-                        reason, delta = "stop", text.finish()
-                    else:
-                        delta, hit = text.push(tok)
-                        if hit:
-                            reason, delta = "stop", delta + text.finish()
-                        elif n_out >= sp.max_new_tokens:
-                            reason, delta = "length", delta + text.finish()
-                    yield TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason)
-                    if reason:
-                        break
-                    sampler.observe_one(tok)
+        t0 = time.perf_counter()
+        logits, _ = self.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", noise=noise)
+        pending = int(sampler(logits)[0])
+        t1 = time.perf_counter()
+        stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=P / max(t1 - t0, 1e-9))
+        emit, col = [pending], P          # emit: tokens to hand out; pending sits at column col
+        decode_start, cpu_start = t1, time.process_time()
+        while True:
+            events = []
+            for tok in emit:
+                n_out += 1
+                reason = None
+                if _is_eos(sp, eos, tok):
+                    reason, delta = "stop", text.finish()
+                else:
+                    delta, hit = text.push(tok)
+                    if hit:
+                        reason, delta = "stop", delta + text.finish()
+                    elif n_out >= sp.max_new_tokens:
+                        reason, delta = "length", delta + text.finish()
+                events.append(TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason))
                 if reason:
                     break
-                # draft k tokens after `pending` with few rounds, reading the full-depth history
-                k = min(K, sp.max_new_tokens - n_out - 1, ctx - 1 - col)
-                drafts: list[int] = []
-                q_list: list[Tensor | None] = []
-                tok = pending
-                for j in range(k):
-                    lg, _ = self.run_chunk(torch.tensor([[tok]], device=dev), col + j, cache, rounds=draft_rounds,
-                                           noise=noise, commit=False)
-                    tok, q = sampler.pick(lg[0], drafts)
-                    drafts.append(tok)
-                    q_list.append(q)
-                # verify pending + drafts at full depth in one chunk (overwrites the drafts' entries)
-                chunk = torch.tensor([[pending] + drafts], device=dev)
-                lg, _ = self.run_chunk(chunk, col, cache, noise=noise, all_logits=True)
-                accepted, nxt = sampler.verify(lg[0], drafts, q_list)
-                spec["drafted"] += k
-                spec["accepted"] += accepted
-                cache.truncate(col + accepted + 1)
-                emit = drafts[:accepted] + [nxt]
-                pending, col = nxt, col + accepted + 1
+                sampler.observe_one(tok)
+            yield events
+            if reason:
+                break
+            # draft k tokens after `pending` with few rounds, reading the full-depth history
+            k = min(K, sp.max_new_tokens - n_out - 1, ctx - 1 - col)
+            drafts: list[int] = []
+            q_list: list[Tensor | None] = []
+            tok = pending
+            for j in range(k):
+                lg, _ = self.run_chunk(torch.tensor([[tok]], device=dev), col + j, cache, rounds=draft_rounds,
+                                       noise=noise, commit=False)
+                tok, q = sampler.pick(lg[0], drafts)
+                drafts.append(tok)
+                q_list.append(q)
+            # verify pending + drafts at full depth in one chunk (overwrites the drafts' entries)
+            chunk = torch.tensor([[pending] + drafts], device=dev)
+            lg, _ = self.run_chunk(chunk, col, cache, noise=noise, all_logits=True)
+            accepted, nxt = sampler.verify(lg[0], drafts, q_list)
+            spec["drafted"] += k
+            spec["accepted"] += accepted
+            cache.truncate(col + accepted + 1)
+            emit = drafts[:accepted] + [nxt]
+            pending, col = nxt, col + accepted + 1
         decode_s = time.perf_counter() - decode_start
         n_dec = max(n_out - 1, 0)
         spec["acceptance_rate"] = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
         stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=n_dec,
                      decode_tokens_per_s=n_dec / decode_s if n_dec else 0.0)
+
+
+def _in_inference_mode(steps: Iterator[list[TokenEvent]]) -> Iterator[TokenEvent]:
+    """The events of each step, with the engine's work between steps in inference mode, and only
+    that: the caller's code between events runs in whatever mode it set, and two streams may be
+    advanced in turn (a `with` held across a yield would leak the mode to the caller and mix up
+    the two streams)."""
+    try:
+        while True:
+            with torch.inference_mode():
+                try:
+                    events = next(steps)
+                except StopIteration:
+                    return
+            yield from events
+    finally:
+        steps.close()
 
 
 def _is_eos(sp: SamplingParams, eos: int | None, tok: int) -> bool:

@@ -8,12 +8,14 @@ a prompt longer than the limits or the context): the reply is a 4xx with an Open
 `{"error": {"message", "type", "param", "code"}}` body, and the server keeps serving. More
 requests in flight than `max_concurrent` get 429.
 
-Concurrency. One worker thread owns the model. It takes the first waiting prompt, waits up to
-`batch_window_ms` for more (up to `max_batch` prompts), and runs them as one batch of the
-engine (left-padded rows; each row samples with its own parameters and seeded generator, so a
-request's output does not depend on its batch mates). Tokens flow back to each request through
-its own queue as they are sampled, which is what `stream: true` sends as server-sent events.
-Requests that arrive while a batch runs wait for the next batch (static batching).
+Concurrency. One worker thread owns the model. When idle it takes the first waiting prompt,
+waits up to `batch_window_ms` for more (up to `max_batch` prompts), and runs them as one batch of
+the engine (left-padded rows; each row samples with its own parameters and seeded generator, so
+a request's output does not depend on its batch mates). Prompts that arrive while batches run
+start a new batch at once (up to `max_batches` at a time, each with its own cache), and the
+worker advances the running batches one decode step each in turn: a short request is not held
+behind a long one. Tokens flow back to each request through its own queue as they are sampled,
+which is what `stream: true` sends as server-sent events.
 
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
@@ -49,13 +51,15 @@ class ServeLimits:
     """Prompts in flight (waiting or running) before new requests get 429."""
     max_batch: int = 8
     """Prompts decoded together in one batch."""
+    max_batches: int = 4
+    """Batches running at once, advanced one decode step each in turn."""
     batch_window_ms: float = 5.0
     """How long the worker waits for more prompts before starting a batch."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:
             raise UserError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0 = context - 1)")
-        for name in ("max_tokens", "max_concurrent", "max_batch"):
+        for name in ("max_tokens", "max_concurrent", "max_batch", "max_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if not 0 <= self.batch_window_ms <= 10_000:
@@ -98,27 +102,55 @@ class _Worker:
         self.stopping.set()
         self.thread.join(timeout=10)
 
+    def _take(self, max_batch: int, wait: bool) -> list[_Row]:
+        """Waiting prompts for a new batch: when idle (`wait`), block briefly for the first and
+        give others `batch_window_ms` to join; while batches run, only what is already here."""
+        try:
+            batch = [self.inbox.get(timeout=0.1) if wait else self.inbox.get_nowait()]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + (self.limits.batch_window_ms / 1000 if wait else 0)
+        while len(batch) < max_batch:
+            left = deadline - time.monotonic()
+            try:
+                batch.append(self.inbox.get(timeout=left) if left > 0 else self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
     def _loop(self) -> None:
         max_batch = 1 if self.engine.speculative else self.limits.max_batch
+        running: list[_Batch] = []
         while not self.stopping.is_set():
-            try:
-                first = self.inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            batch = [first]
-            deadline = time.monotonic() + self.limits.batch_window_ms / 1000
-            while len(batch) < max_batch:
-                left = deadline - time.monotonic()
-                try:
-                    batch.append(self.inbox.get(timeout=left) if left > 0 else self.inbox.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                for ev in self.engine.stream([r.ids for r in batch], [r.params for r in batch]):
-                    batch[ev.row].send(ev)
-            except Exception as err:  # a bug or an engine error: fail this batch, keep serving
-                for r in batch:
-                    r.send(err)
+            if len(running) < self.limits.max_batches:
+                rows = self._take(max_batch, wait=not running)
+                if rows:
+                    running.append(_Batch(rows, self.engine))
+            running = [b for b in running if b.step()]
+
+
+class _Batch:
+    """One engine batch in the worker: its rows and its event stream (its own cache)."""
+
+    def __init__(self, rows: list[_Row], engine: Engine):
+        self.rows = rows
+        self.live = len(rows)                       # rows that have not finished
+        self.events = engine.stream([r.ids for r in rows], [r.params for r in rows])
+
+    def step(self) -> bool:
+        """Advance one decode step (one token per live row); False once the batch is over."""
+        try:
+            for _ in range(self.live):
+                ev = next(self.events)
+                self.rows[ev.row].send(ev)
+                self.live -= ev.finish_reason is not None
+        except StopIteration:
+            return False
+        except Exception as err:  # a bug or an engine error: fail this batch, keep serving
+            for r in self.rows:
+                r.send(err)
+            return False
+        return self.live > 0
 
 
 class CompletionRequest(BaseModel):

@@ -189,6 +189,34 @@ def test_streaming_yields_the_same_text_token_by_token(model):
         assert evs[-1].finish_reason == "length" and all(e.finish_reason is None for e in evs[:-1])
 
 
+
+@pytest.mark.parametrize("spec", [None, "1:3"])
+def test_streams_advanced_in_turn_equal_each_alone_and_keep_the_callers_mode(model, spec):
+    """The server advances several batches one step each in turn; the caller's code between
+    events must not run in the engine's inference mode (it may train or use autograd)."""
+    eng = Engine(model, TOK, GenerationConfig(speculative=spec))
+    jobs = [(["hello"] if spec else ["hello", "ab"], SamplingParams(max_new_tokens=14, stop_at_eos=False)),
+            (["The loop"], SamplingParams(max_new_tokens=9, temperature=0.9, seed=3, stop_at_eos=False))]
+    streams = [eng.stream(p, sp) for p, sp in jobs]
+    got: list[dict[int, list[int]]] = [{}, {}]
+    live = [True, True]
+    while any(live):
+        for i, st in enumerate(streams):
+            if not live[i]:
+                continue
+            ev = next(st, None)
+            if ev is None:
+                live[i] = False
+                continue
+            assert not torch.is_inference_mode_enabled()
+            got[i].setdefault(ev.row, []).append(ev.token)
+    w = torch.ones(2, requires_grad=True)
+    (w * 2).sum().backward()                  # autograd works in the caller after the streams
+    for (prompts, sp), rows in zip(jobs, got):
+        alone = eng.generate(prompts, sp)
+        assert [rows[b] for b in range(len(prompts))] == [c.tokens for c in alone]
+
+
 def _last_state(m, prompt):
     """The coda's output at the prompt's last position (what the head reads for the first new token)."""
     seen = []

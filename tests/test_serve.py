@@ -118,7 +118,7 @@ def test_concurrent_clients_get_their_own_answers(server):
     alone = [post(server, b).json()["choices"][0]["text"] for b in bodies]
     with ThreadPoolExecutor(len(bodies)) as pool:
         together = list(pool.map(lambda b: post(server, b), bodies))
-    assert all(r.status_code == 200 for r in together)
+    assert all(r.status_code == 200 for r in together), [r.text for r in together]
     assert [r.json()["choices"][0]["text"] for r in together] == alone     # batching changes nothing
     assert [r.json()["usage"]["completion_tokens"] for r in together] == [b["max_tokens"] for b in bodies]
 
@@ -177,3 +177,43 @@ def test_too_many_requests_get_429_and_the_rest_succeed(server):
         if r.status_code == 429:
             assert r.json()["error"]["type"] == "rate_limit_error"
     assert post(server, {"prompt": "after", "max_tokens": 2}).status_code == 200
+
+
+def test_a_short_request_is_not_held_behind_a_long_one():
+    """Prompts that arrive while a batch runs start their own batch, advanced in turn with it."""
+    import threading
+
+    from looplm.generation import Engine, SamplingParams
+    from looplm.serve import ServeLimits, _Row, _Worker
+
+    torch.manual_seed(0)
+    model = looplm.build_model(looplm.load_recipe("quickstart", overrides={**TINY, "model.context": 128})).eval()
+    engine = Engine(model, ByteTokenizer())
+    long_p = SamplingParams(max_new_tokens=100, stop_at_eos=False)
+    short_p = SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    log: list[tuple[str, int, bool]] = []             # (request, token, last) in the order the worker sent them
+    started = threading.Event()
+
+    def sender(name: str):
+        def send(ev):
+            assert not isinstance(ev, Exception), ev
+            log.append((name, ev.token, ev.finish_reason is not None))
+            started.set()
+        return send
+
+    worker = _Worker(engine, ServeLimits(max_batches=2, batch_window_ms=0))
+    try:
+        worker.inbox.put(_Row(ids=list(b"a long one"), params=long_p, send=sender("long")))
+        assert started.wait(30)
+        worker.inbox.put(_Row(ids=list(b"short"), params=short_p, send=sender("short")))
+        deadline = time.monotonic() + 60
+        while sum(last for _, _, last in log) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    finished = [name for name, _, last in log if last]
+    assert finished == ["short", "long"]
+    short_tokens = [tok for name, tok, _ in log if name == "short"]
+    long_tokens = [tok for name, tok, _ in log if name == "long"]
+    assert short_tokens == engine.generate([list(b"short")], short_p)[0].tokens     # interleaving changes nothing
+    assert long_tokens == engine.generate([list(b"a long one")], long_p)[0].tokens
