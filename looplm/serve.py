@@ -15,7 +15,8 @@ a request's output does not depend on its batch mates). Prompts that arrive whil
 start a new batch at once (up to `max_batches` at a time, each with its own cache), and the
 worker advances the running batches one decode step each in turn: a short request is not held
 behind a long one. Tokens flow back to each request through its own queue as they are sampled,
-which is what `stream: true` sends as server-sent events.
+which is what `stream: true` sends as server-sent events. A batch stops at the next step once
+the clients of all its unfinished rows have gone away (closed streams).
 
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
@@ -73,6 +74,8 @@ class _Row:
     ids: list[int]
     params: SamplingParams
     send: Any          # called (from the worker thread) with a TokenEvent or an Exception
+    cancelled: bool = False
+    """Set by the request when nobody reads the row any more (the client went away)."""
 
 
 class _Worker:
@@ -134,23 +137,28 @@ class _Batch:
 
     def __init__(self, rows: list[_Row], engine: Engine):
         self.rows = rows
-        self.live = len(rows)                       # rows that have not finished
+        self.running = set(range(len(rows)))        # rows that have not finished
         self.events = engine.stream([r.ids for r in rows], [r.params for r in rows])
 
     def step(self) -> bool:
-        """Advance one decode step (one token per live row); False once the batch is over."""
+        """Advance one decode step (one token per running row); False once the batch is over or
+        the clients of all its running rows have gone away."""
+        if all(self.rows[i].cancelled for i in self.running):
+            self.events.close()
+            return False
         try:
-            for _ in range(self.live):
+            for _ in range(len(self.running)):
                 ev = next(self.events)
                 self.rows[ev.row].send(ev)
-                self.live -= ev.finish_reason is not None
+                if ev.finish_reason is not None:
+                    self.running.discard(ev.row)
         except StopIteration:
             return False
         except Exception as err:  # a bug or an engine error: fail this batch, keep serving
             for r in self.rows:
                 r.send(err)
             return False
-        return self.live > 0
+        return bool(self.running)
 
 
 class CompletionRequest(BaseModel):
@@ -269,10 +277,12 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                           None, "rate_limit_error")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        mine = []
         for i, ids in enumerate(ids_list):
             def send(ev: Any, i: int = i) -> None:
                 loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-            worker.inbox.put(_Row(ids=ids, params=params, send=send))
+            mine.append(_Row(ids=ids, params=params, send=send))
+            worker.inbox.put(mine[-1])
         rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
         n_rows = len(ids_list)
 
@@ -287,7 +297,9 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                     if ev.finish_reason:
                         left -= 1
                     yield i, ev
-            finally:
+            finally:                 # done, or the client went away: the worker may stop these rows
+                for r in mine:
+                    r.cancelled = True
                 worker.release(n_rows)
 
         def chunk(i: int, text: str, reason: str | None) -> dict[str, Any]:

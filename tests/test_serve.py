@@ -217,3 +217,34 @@ def test_a_short_request_is_not_held_behind_a_long_one():
     long_tokens = [tok for name, tok, _ in log if name == "long"]
     assert short_tokens == engine.generate([list(b"short")], short_p)[0].tokens     # interleaving changes nothing
     assert long_tokens == engine.generate([list(b"a long one")], long_p)[0].tokens
+
+
+def test_a_batch_whose_client_went_away_stops():
+    from looplm.generation import Engine, SamplingParams
+    from looplm.serve import ServeLimits, _Row, _Worker
+
+    torch.manual_seed(0)
+    engine = Engine(looplm.build_model(looplm.load_recipe("quickstart", overrides=TINY)).eval(), ByteTokenizer())
+    got, after = [], []
+    row = _Row(ids=list(b"gone"), params=SamplingParams(max_new_tokens=50, stop_at_eos=False), send=None)
+
+    def send(ev):
+        got.append(ev)
+        row.cancelled = True               # the client reads one token and leaves
+
+    row.send = send
+    worker = _Worker(engine, ServeLimits(batch_window_ms=0))
+    try:
+        worker.inbox.put(row)
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.001)
+        worker.inbox.put(_Row(ids=list(b"next"), params=SamplingParams(max_new_tokens=4, stop_at_eos=False),
+                              send=after.append))
+        while not (after and after[-1].finish_reason) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert len(got) == 1                     # no token computed for a row nobody reads
+    assert [ev.token for ev in after] == engine.generate([list(b"next")], SamplingParams(
+        max_new_tokens=4, stop_at_eos=False))[0].tokens
