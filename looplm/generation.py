@@ -9,6 +9,7 @@ How a batch runs. Prompts of different lengths are left-padded into shared cache
 row keeps its own RoPE positions (column - pad) and never attends to its pad columns, so a row's
 result does not depend on its batch mates. The prompt is one chunk through prelude -> R rounds
 -> coda (`LoopKVCache` stores per-round keys/values); each new token is a chunk of one column.
+Rows that have finished (eos, a stop string, their max_new_tokens) are left out of later chunks.
 
 Exit policies (`fixed:R`, `quantile:Q`, `entropy:TAU`, `kl:EPS`, see halting.py) are checked per
 token after every round; a row that exits stops computing (the remaining rows continue as a
@@ -231,20 +232,25 @@ class Engine:
     # -- one chunk through the model ------------------------------------------------------
     def run_chunk(self, idx: Tensor, start: int, cache: LoopKVCache, *, phase: str = "decode",
                   rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,
-                  commit: bool = True) -> tuple[Tensor, Tensor | int]:
+                  commit: bool = True, rows: Tensor | None = None) -> tuple[Tensor, Tensor | int]:
         """Run tokens idx (B, T) at cache columns [start, start+T). Returns (logits, rounds_used):
         logits (B, T, V) with all_logits else (B, V) at the last column; rounds_used an int, or (B,)
-        when an exit policy decided per row. `rounds` forces a fixed depth (speculative drafts)."""
+        when an exit policy decided per row. `rounds` forces a fixed depth (speculative drafts).
+        `rows`: the cache rows idx's rows belong to (default all; finished rows are left out)."""
         m, k = self.model, self._fast or self._kernels()
         B, T = idx.shape
         cache.begin(start, T, phase)
+        if rows is not None:
+            cache.select(rows)
         positions = None
         if cache.padded:
             cols = torch.arange(start, start + T, device=idx.device)
-            positions = (cols[None, :] - cache.pad[:, None]).clamp_min(0)       # (B, T)
+            pad = cache.pad if rows is None else cache.pad[rows]
+            positions = (cols[None, :] - pad[:, None]).clamp_min(0)             # (B, T)
         rope = k.rope(start, T, positions)
         e = k.encode(idx, rope, cache)                                          # (B, T, d)
         if noise is not None:
+            noise = noise if rows is None else noise[rows]
             s = noise[:, start:start + T] if positions is None else noise[torch.arange(B)[:, None], positions]
         else:
             s = m.initial_state(e)
@@ -258,10 +264,10 @@ class Engine:
             return logits, R
         if T != 1:
             raise ValueError("per-token exits run one column at a time")
-        logits, used = self._rounds_with_exits(s, e, rope, cache, phase)
+        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows)    # (cache rows, ...)
         if commit:
             cache.commit(used)
-        return logits, used
+        return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
 
     def _kernels(self) -> "Kernels":
         """The fused kernels, rebuilt when a model weight changed in place since they were made
@@ -270,14 +276,17 @@ class Engine:
             self._fast = Kernels(self.model)
         return self._fast
 
-    def _rounds_with_exits(self, s: Tensor, e: Tensor, rope: Any, cache: LoopKVCache,
-                           phase: str) -> tuple[Tensor, Tensor]:
-        """Run up to R rounds for one column; each row stops at its policy's exit round."""
+    def _rounds_with_exits(self, s: Tensor, e: Tensor, rope: Any, cache: LoopKVCache, phase: str,
+                           rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Run up to R rounds for one column; each row stops at its policy's exit round. s holds
+        the cache rows `rows` (None = all); the results are indexed by cache row: logits
+        (cache.batch, V) and rounds used (cache.batch,), R for rows that did not run."""
         m, k, policy, R = self.model, self._fast or self._kernels(), self.policy, self.rounds
-        B = s.shape[0]
-        rows = torch.arange(B, device=s.device)        # batch rows still computing
-        used = torch.full((B,), R, dtype=torch.long)
-        out = torch.empty(B, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
+        n = cache.batch
+        if rows is None:
+            rows = torch.arange(n, device=s.device)     # cache rows still computing
+        used = torch.full((n,), R, dtype=torch.long)
+        out = torch.zeros(n, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
         need_logits = policy.kind in ("entropy", "kl")
         prev: Tensor | None = None
         hazards: Tensor | None = None
@@ -342,7 +351,7 @@ class Engine:
         nxt = sampler(logits)
         t1 = time.perf_counter()
         stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=sum(map(len, ids)) / max(t1 - t0, 1e-9))
-        col, step_start, cpu_start = P, t1, time.process_time()
+        col, step_start, cpu_start, row_steps = P, t1, time.process_time(), 0
         while True:
             used_l = [used] * B if isinstance(used, int) else used.tolist()
             nxt_l = nxt.tolist()
@@ -367,19 +376,37 @@ class Engine:
                 done[b] = reason is not None
                 events.append(TokenEvent(row=b, token=tok, text=delta, rounds=used_l[b], finish_reason=reason))
             yield events
-            if all(done):
+            running = [b for b in range(B) if not done[b]]
+            if not running:
                 break
             sampler.observe(nxt)
-            logits, used = self.run_chunk(nxt.view(B, 1), col, cache, noise=noise)
+            if len(running) == B:
+                logits, used = self.run_chunk(nxt.view(B, 1), col, cache, noise=noise)
+            else:                               # finished rows are not computed any more
+                logits, used = self._run_rows(nxt, col, cache, noise, running)
             nxt = sampler(logits)
+            row_steps += len(running)
             col += 1
             now = time.perf_counter()
             latencies.append(now - step_start)
             step_start = now
         decode_s = sum(latencies)
-        stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=B * len(latencies),
-                     decode_tokens_per_s=B * len(latencies) / decode_s if latencies else 0.0,
-                     token_latencies_s=latencies)
+        stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=row_steps,
+                     decode_tokens_per_s=row_steps / decode_s if latencies else 0.0, token_latencies_s=latencies)
+
+    def _run_rows(self, nxt: Tensor, col: int, cache: LoopKVCache, noise: Tensor | None,
+                  running: list[int]) -> tuple[Tensor, Tensor | int]:
+        """One decode column for the running rows only; (B, V) logits (zeros for finished rows,
+        whose samples are ignored) and rounds used (R for finished rows)."""
+        rows = torch.tensor(running, device=nxt.device)
+        part, used = self.run_chunk(nxt[rows].view(-1, 1), col, cache, noise=noise, rows=rows)
+        logits = part.new_zeros(nxt.shape[0], part.shape[-1])
+        logits[rows] = part
+        if isinstance(used, int):
+            return logits, used
+        full = torch.full((nxt.shape[0],), self.rounds, dtype=torch.long)
+        full[rows.cpu()] = used
+        return logits, full
 
     # -- self-speculative decoding (batch 1) ------------------------------------------------
     def _speculative_events(self, ids: list[list[int]], plist: list[SamplingParams],

@@ -47,6 +47,25 @@ def test_batched_generation_equals_each_prompt_alone(model, config):
         assert got.tokens == alone.tokens and got.rounds_used == alone.rounds_used, (config, prompt)
 
 
+
+@pytest.mark.parametrize("config, init", [
+    ({}, "random"), ({"exit": "kl:0.02"}, "random"), ({"exit": "kl:0.02", "missing": "mask"}, "prelude"),
+    ({"prefill_cache": "average", "decode_cache": "first"}, "prelude"),
+    ({"exit": "entropy:5.2", "decode_cache": "last"}, "random"),
+])
+def test_rows_that_finished_are_not_computed_and_the_others_are_unchanged(config, init):
+    m = tiny(**{"model.init_state": init})
+    eng = Engine(m, TOK, GenerationConfig(**config))
+    lengths, temps = [3, 12, 1, 7, 12, 5], [0, 0.8, 0, 0, 0.9, 0]
+    params = [SamplingParams(max_new_tokens=n, temperature=t, seed=i, stop_at_eos=False)
+              for i, (n, t) in enumerate(zip(lengths, temps))]
+    batch = eng.generate(PROMPTS, params)
+    assert batch[0].stats["decode_tokens"] == sum(n - 1 for n in lengths)     # one row-step per later token
+    for prompt, sp, got in zip(PROMPTS, params, batch):
+        alone = eng.generate([prompt], sp)[0]
+        assert got.tokens == alone.tokens and got.rounds_used == alone.rounds_used, (config, prompt)
+
+
 def test_cached_greedy_matches_the_no_cache_reference(model):
     """sampling.py recomputes the whole sequence per token (deterministic initial state here)."""
     m = tiny(**{"model.init_state": "prelude"})
