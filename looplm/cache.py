@@ -38,10 +38,12 @@ Mixture-of-Recursions plugs in at the same place: its recursion-wise caching is 
 recursion keeps its own entries, tokens routed out leave holes handled as above) and its
 recursive sharing is `first` (the first recursion's entries serve every later one).
 
-The protocol with the model: `begin(start, T, phase)` before a chunk, the model's attention
-calls `update(slot, k, v) -> (k_all, v_all, mask)`, `select(rows)` restricts the following
-updates to a subset of rows (rows that exited stop computing), and `commit(rounds_used)` closes
-the chunk (copy-forward or depth bookkeeping, first/average reduction).
+The protocol with the model: `begin(start, T, phase, rows)` before a chunk (the rows it holds,
+default all: finished rows are left out, and a new prompt can take a finished row's place after
+`set_pad`), the model's attention calls `update(slot, k, v) -> (k_all, v_all, mask)`,
+`select(rows)` restricts the following updates to a subset of rows (rows that exited stop
+computing), and `commit(rounds_used)` closes the chunk (copy-forward or depth bookkeeping,
+first/average reduction) for the chunk's rows only.
 """
 
 from __future__ import annotations
@@ -127,16 +129,17 @@ class LoopKVCache:
         return out
 
     # -- the chunk protocol ---------------------------------------------------------------
-    def begin(self, start: int, T: int, phase: str = "decode") -> None:
-        """The next updates write columns [start, start+T) for the prompt ("prefill") or generated tokens."""
+    def begin(self, start: int, T: int, phase: str = "decode", rows: Tensor | None = None) -> None:
+        """The next updates write columns [start, start+T) for the prompt ("prefill") or generated
+        tokens, of these rows (None = all); other rows' entries are left as they are."""
         if start < 0 or start + T > self.length:
             raise ValueError(f"cache holds {self.length} columns; asked to write {start}..{start + T - 1}")
         self._start, self._T, self._phase = start, T, phase
-        self._rows = None
+        self._rows = self._chunk_rows = rows
         self._round_masks = {}
         self._stash = {}
         if self.missing == "mask":
-            self.depth[:, start:start + T] = self.rounds
+            self.depth[self._all(rows), start:start + T] = self.rounds
         if T == 1:
             self._base_mask = self._valid[..., :start + 1] if self.padded else None
         else:
@@ -152,6 +155,17 @@ class LoopKVCache:
         """Restrict following updates to these rows (None = all); rows that exited stop computing."""
         self._rows = rows
         self._round_masks = {}
+
+    @staticmethod
+    def _all(rows: Tensor | None) -> Any:
+        return slice(None) if rows is None else rows
+
+    def set_pad(self, row: int, pad: int) -> None:
+        """Row `row` now starts at column `pad` (a new prompt placed in a finished row's place);
+        it never attends to the columns before."""
+        self.pad[row] = pad
+        self._valid[row] = (torch.arange(self.length, device=self.pad.device) >= pad).view(1, 1, -1)
+        self.padded = bool((self.pad > 0).any())
 
     def _mask(self, kind: str, r: int) -> Tensor | None:
         if kind != "core" or not self._holes:
@@ -206,7 +220,8 @@ class LoopKVCache:
             sv[rows] += v
 
     def commit(self, rounds_used: Tensor | int) -> None:
-        """Close the chunk. rounds_used: int or (B,) rounds each row's chunk tokens ran."""
+        """Close the chunk. rounds_used: int or (B,) rounds each row's chunk tokens ran (only the
+        chunk's rows, those given to `begin`, are read and filled)."""
         self._rows = None
         s, e, B = self._start, self._start + self._T, self.batch
         R = self.rounds
@@ -215,35 +230,40 @@ class LoopKVCache:
         if isinstance(rounds_used, int) and rounds_used == R and policy == "full":
             return    # the common case: every slot was written (and begin() set the depth), nothing to fill
         ru = torch.full((B,), int(rounds_used)) if isinstance(rounds_used, int) else rounds_used.cpu()
-        uniform = bool((ru == ru[0]).all())
+        rows = self._chunk_rows
+        groups = self._row_groups(ru, None if rows is None else rows.tolist())
         if self.per_round:
             for part in (self.k_core, self.v_core):
                 if policy == "full":
                     if self.missing == "copy_forward":
-                        for b, n in self._row_groups(ru, uniform):
+                        for b, n in groups:
                             if n < R:  # rounds n+1..R read round n's entry
                                 part[n:, :, b, :, s:e] = part[n - 1, :, b, :, s:e].unsqueeze(0)
                 else:
-                    for b, n in self._row_groups(ru, uniform):
+                    for b, n in groups:
                         part[:, :, b, :, s:e] = self._reduce(part[:n, :, b, :, s:e], policy).unsqueeze(0)
             if policy == "full" and self.missing == "mask":
-                self.depth[:, s:e] = ru.to(self.depth.device)[:, None]
-                self._holes = self._holes or bool((ru < R).any())
+                for b, n in groups:
+                    self.depth[b, s:e] = n
+                self._holes = self._holes or any(n < R for _, n in groups)
         elif policy in ("first", "average"):
             for i, (sk, sv) in self._stash.items():
                 if policy == "average":
                     div = ru.to(sk.device, sk.dtype).view(B, 1, 1, 1)
                     sk, sv = sk / div, sv / div
-                self.k_core[0, i, :, :, s:e] = sk
-                self.v_core[0, i, :, :, s:e] = sv
+                for b, _ in groups:
+                    self.k_core[0, i, b, :, s:e] = sk[b]
+                    self.v_core[0, i, b, :, s:e] = sv[b]
         self._stash = {}
 
     @staticmethod
-    def _row_groups(ru: Tensor, uniform: bool):
-        """(row index or slice, rounds) pairs: one group when every row ran the same rounds."""
-        if uniform:
-            return [(slice(None), int(ru[0]))]
-        return [(b, int(n)) for b, n in enumerate(ru.tolist())]
+    def _row_groups(ru: Tensor, rows: list[int] | None) -> list[tuple[Any, int]]:
+        """(row index or slice, rounds) pairs for the chunk's rows (None = all): one group when
+        they all ran the same rounds."""
+        picked = ru if rows is None else ru[rows]
+        if rows is None and bool((picked == picked[0]).all()):
+            return [(slice(None), int(picked[0]))]
+        return [(b, int(ru[b])) for b in (range(len(ru)) if rows is None else rows)]
 
     @staticmethod
     def _reduce(per_round: Tensor, policy: str) -> Tensor:

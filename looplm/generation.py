@@ -239,9 +239,7 @@ class Engine:
         `rows`: the cache rows idx's rows belong to (default all; finished rows are left out)."""
         m, k = self.model, self._fast or self._kernels()
         B, T = idx.shape
-        cache.begin(start, T, phase)
-        if rows is not None:
-            cache.select(rows)
+        cache.begin(start, T, phase, rows)
         positions = None
         if cache.padded:
             cols = torch.arange(start, start + T, device=idx.device)

@@ -239,3 +239,38 @@ def test_cached_decode_with_per_thread_weight_slices_equals_forward(threads):
     finally:
         torch.set_num_threads(before)
     assert (got - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("policy, missing, used", [
+    ("full", "copy_forward", 2), ("full", "mask", 1), ("first", "copy_forward", 3), ("last", "copy_forward", 2),
+    ("average", "copy_forward", 2),
+])
+def test_a_chunk_of_some_rows_leaves_the_other_rows_alone(policy, missing, used):
+    """Finished rows are left out of later chunks, and a new prompt may fill a finished row's
+    place: writing and committing one row's chunk must not touch the others' entries or depths."""
+    cfg = _cfg()
+    R, B, L = 3, 3, 6
+    cache = LoopKVCache(cfg, batch=B, length=L, rounds=R, prefill=policy, decode=policy, missing=missing)
+    g = torch.Generator().manual_seed(0)
+    for part in (cache.k_prelude, cache.v_prelude, cache.k_core, cache.v_core, cache.k_coda, cache.v_coda):
+        part.copy_(torch.randn(part.shape, generator=g))
+    cache.depth[:, :4] = torch.tensor([[1, 3, 2, 3]] * B)
+    before = {name: t.clone() for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+    row = torch.tensor([1])
+    H, Dh = cfg.n_kv_heads, cfg.head_dim
+    cache.begin(2, 2, "decode", row)                 # row 1 writes columns 2 and 3
+    for i in range(cfg.n_prelude):
+        cache.update(("prelude", 0, i), torch.ones(1, H, 2, Dh), torch.ones(1, H, 2, Dh))
+    for r in range(1, used + 1):
+        for i in range(cfg.n_core):
+            cache.update(("core", r, i), torch.full((1, H, 2, Dh), 7.0 + r), torch.full((1, H, 2, Dh), -7.0 - r))
+    cache.commit(torch.tensor([R, used, R]))         # the other rows' entries say R: must be ignored
+    for name, old in before.items():
+        now = getattr(cache, name)
+        if name in ("depth", "pad", "_valid"):                       # (B, ...)
+            assert torch.equal(now[[0, 2]], old[[0, 2]]), name
+        elif name.endswith("_core"):
+            assert torch.equal(now[:, :, [0, 2]], old[:, :, [0, 2]]), name
+        elif name.endswith(("_prelude", "_coda")):
+            assert torch.equal(now[:, [0, 2]], old[:, [0, 2]]), name
+    assert bool((cache.k_core[:, :, 1, :, 2:4] != before["k_core"][:, :, 1, :, 2:4]).any())   # row 1 was written
