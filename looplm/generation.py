@@ -160,16 +160,29 @@ class Engine:
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenEvent]:
         """Yield one TokenEvent per generated token per row, as soon as it is sampled."""
         ids, plist = self._prepare(prompts, params)
+        return _events(self._open(ids, plist, deltas=True))
+
+    def batch(self, prompts: Sequence[str | Sequence[int]] | str,
+              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+              length: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+        """A batch to advance one step at a time: `step()` returns that step's TokenEvents and
+        `finished` says when every row is done. A plain engine's DecodeBatch also takes new
+        prompts into finished rows' places (`join`); `length` is its cache columns (default:
+        what these prompts need; more leaves room for prompts that join later)."""
+        ids, plist = self._prepare(prompts, params)
+        return self._open(ids, plist, deltas=True, length=length)
+
+    def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
+              length: int | None = None) -> "DecodeBatch | _SpeculativeRun":
         if self.speculative is not None:
-            return _in_inference_mode(self._speculative_events(ids, plist, deltas=True))
-        return _in_inference_mode(self._batch_events(ids, plist, deltas=True))
+            return _SpeculativeRun(self._speculative_events(ids, plist, deltas))
+        return DecodeBatch(self, ids, plist, deltas, length)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Generate for every prompt (one batch); one Completion per prompt, in order."""
         ids, plist = self._prepare(prompts, params)
-        events = _in_inference_mode(self._speculative_events(ids, plist, deltas=False) if self.speculative is not None
-                                    else self._batch_events(ids, plist, deltas=False))
+        events = _events(self._open(ids, plist, deltas=False))
         toks: list[list[int]] = [[] for _ in ids]
         rounds: list[list[int]] = [[] for _ in ids]
         texts = [""] * len(ids)
@@ -315,97 +328,6 @@ class Engine:
                 prev = logits
         return out, used
 
-    # -- batched decoding -----------------------------------------------------------------
-    def _batch_events(self, ids: list[list[int]], plist: list[SamplingParams],
-                      deltas: bool) -> Iterator[list[TokenEvent]]:
-        """One list of TokenEvents per decode step (the rows still running, in order)."""
-        self._kernels()
-        dev = next(self.model.parameters()).device
-        B = len(ids)
-        P = max(len(p) for p in ids)
-        max_new = max(sp.max_new_tokens for sp in plist)
-        pad = torch.tensor([P - len(p) for p in ids], dtype=torch.long, device=dev)
-        idx = torch.zeros(B, P, dtype=torch.long, device=dev)
-        for b, p in enumerate(ids):
-            idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        cache = self.new_cache(B, P + max_new, pad)
-        noise = self._noise(plist, next(self.model.parameters()))
-        sampler = Sampler(plist, ids, self.cfg.vocab_size, dev)
-        texts = [RowText(self.tokenizer, sp.stop, deltas) for sp in plist]
-        eos = getattr(self.tokenizer, "eos_id", None)
-        done = [False] * B
-        n_out = [0] * B
-        latencies: list[float] = []
-        stats: dict[str, Any] = {"batch": B, "rounds": self.rounds, "exit": str(self.policy),
-                                 "prefill_cache": self.config.prefill_cache, "decode_cache": self.config.decode_cache,
-                                 "missing": self.config.missing, "cache_bytes": cache.nbytes()}
-        self.last_stats = stats
-        t0 = time.perf_counter()
-        if self.adaptive and self.policy.exit_in_prefill:    # prompt tokens may exit: one column at a time
-            for c in range(P):
-                logits, used = self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)
-        else:
-            logits, used = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise)
-        nxt = sampler(logits)
-        t1 = time.perf_counter()
-        stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=sum(map(len, ids)) / max(t1 - t0, 1e-9))
-        col, step_start, cpu_start, row_steps = P, t1, time.process_time(), 0
-        while True:
-            used_l = [used] * B if isinstance(used, int) else used.tolist()
-            nxt_l = nxt.tolist()
-            events = []
-            for b in range(B):
-                if done[b]:
-                    continue
-                tok = nxt_l[b]
-                n_out[b] += 1
-                reason = None
-                if _is_eos(plist[b], eos, tok):
-                    reason = "stop"
-                    delta = texts[b].finish()
-                else:
-                    delta, hit = texts[b].push(tok)
-                    if hit:
-                        reason = "stop"
-                        delta += texts[b].finish()
-                    elif n_out[b] >= plist[b].max_new_tokens:
-                        reason = "length"
-                        delta += texts[b].finish()
-                done[b] = reason is not None
-                events.append(TokenEvent(row=b, token=tok, text=delta, rounds=used_l[b], finish_reason=reason))
-            yield events
-            running = [b for b in range(B) if not done[b]]
-            if not running:
-                break
-            sampler.observe(nxt)
-            if len(running) == B:
-                logits, used = self.run_chunk(nxt.view(B, 1), col, cache, noise=noise)
-            else:                               # finished rows are not computed any more
-                logits, used = self._run_rows(nxt, col, cache, noise, running)
-            nxt = sampler(logits)
-            row_steps += len(running)
-            col += 1
-            now = time.perf_counter()
-            latencies.append(now - step_start)
-            step_start = now
-        decode_s = sum(latencies)
-        stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=row_steps,
-                     decode_tokens_per_s=row_steps / decode_s if latencies else 0.0, token_latencies_s=latencies)
-
-    def _run_rows(self, nxt: Tensor, col: int, cache: LoopKVCache, noise: Tensor | None,
-                  running: list[int]) -> tuple[Tensor, Tensor | int]:
-        """One decode column for the running rows only; (B, V) logits (zeros for finished rows,
-        whose samples are ignored) and rounds used (R for finished rows)."""
-        rows = torch.tensor(running, device=nxt.device)
-        part, used = self.run_chunk(nxt[rows].view(-1, 1), col, cache, noise=noise, rows=rows)
-        logits = part.new_zeros(nxt.shape[0], part.shape[-1])
-        logits[rows] = part
-        if isinstance(used, int):
-            return logits, used
-        full = torch.full((nxt.shape[0],), self.rounds, dtype=torch.long)
-        full[rows.cpu()] = used
-        return logits, full
-
     # -- self-speculative decoding (batch 1) ------------------------------------------------
     def _speculative_events(self, ids: list[list[int]], plist: list[SamplingParams],
                             deltas: bool) -> Iterator[list[TokenEvent]]:
@@ -482,21 +404,184 @@ class Engine:
                      decode_tokens_per_s=n_dec / decode_s if n_dec else 0.0)
 
 
-def _in_inference_mode(steps: Iterator[list[TokenEvent]]) -> Iterator[TokenEvent]:
-    """The events of each step, with the engine's work between steps in inference mode, and only
-    that: the caller's code between events runs in whatever mode it set, and two streams may be
-    advanced in turn (a `with` held across a yield would leak the mode to the caller and mix up
-    the two streams)."""
-    try:
-        while True:
-            with torch.inference_mode():
-                try:
-                    events = next(steps)
-                except StopIteration:
-                    return
-            yield from events
-    finally:
-        steps.close()
+class DecodeBatch:
+    """Rows decoded together, one step at a time; a new prompt can take a finished row's place.
+
+    `step()` returns the next token of every running row as TokenEvents (the first call runs the
+    prefill); rows that finished (eos, a stop string, their max_new_tokens) are left out of later
+    steps. `join(prompt, params)` prefills a new prompt into a finished row, right-aligned so that
+    its prompt ends just before the column the running rows write next, and returns the row and
+    its first token's events, or None when no row is free or it does not fit (its prompt must fit
+    in the columns so far and its tokens in the rest). `Engine.stream` drives one batch to the
+    end; the server keeps several and lets new requests join them (continuous batching).
+    The engine's work runs in inference mode inside each call, never in the caller's code.
+    """
+
+    def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
+                 length: int | None = None):
+        engine._kernels()
+        self.engine, self.deltas = engine, deltas
+        ref = next(engine.model.parameters())
+        B, P = len(ids), max(len(p) for p in ids)
+        need = P + max(sp.max_new_tokens for sp in plist)
+        if length is not None and not need <= length <= engine.cfg.context:
+            raise ValueError(f"cache length {length}: these prompts need {need}..{engine.cfg.context}")
+        self.B = B
+        self.idx = torch.zeros(B, P, dtype=torch.long, device=ref.device)     # left-padded prompts
+        for b, p in enumerate(ids):
+            self.idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        pad = torch.tensor([P - len(p) for p in ids], dtype=torch.long, device=ref.device)
+        self.cache = engine.new_cache(B, length or need, pad)
+        self.noise = engine._noise(plist, ref)                                 # (B, context, d) or None
+        self.plist = list(plist)
+        self.sampler = Sampler(self.plist, ids, engine.cfg.vocab_size, ref.device)
+        self.texts = [RowText(engine.tokenizer, sp.stop, deltas) for sp in plist]
+        self.eos = getattr(engine.tokenizer, "eos_id", None)
+        self.done, self.n_out = [False] * B, [0] * B
+        self.tokens, self.rounds = [0] * B, [0] * B          # each row's latest token and its rounds
+        self.col = P                                         # the column the next decode step writes
+        self.started = False
+        self.latencies: list[float] = []
+        self.row_steps = 0
+        self.stats: dict[str, Any] = {"batch": B, "rounds": engine.rounds, "exit": str(engine.policy),
+                                      "prefill_cache": engine.config.prefill_cache,
+                                      "decode_cache": engine.config.decode_cache,
+                                      "missing": engine.config.missing, "cache_bytes": self.cache.nbytes()}
+        engine.last_stats = self.stats
+        self._prompt_tokens = sum(map(len, ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.started and all(self.done)
+
+    def step(self) -> list[TokenEvent]:
+        """The next token of every running row (the first call: every row's first token)."""
+        if self.finished:
+            return []
+        with torch.inference_mode():
+            if not self.started:
+                self._prefill()
+                return self._emit(list(range(self.B)))
+            rows = [b for b in range(self.B) if not self.done[b]]
+            self._decode(rows)
+            return self._emit(rows)
+
+    def join(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+             ) -> tuple[int, list[TokenEvent]] | None:
+        """Prefill a new prompt into a finished row; (row, its first token's events), or None."""
+        e = self.engine
+        (ids,), (sp,) = e._prepare([prompt], params)
+        free = [b for b in range(self.B) if self.done[b]]
+        if not self.started or self.finished or not free:
+            return None
+        start = self.col - len(ids)                          # its prompt ends at column col - 1
+        if start < 0 or self.col + sp.max_new_tokens - 1 > self.cache.length:
+            return None
+        b = free[0]
+        with torch.inference_mode():
+            self.cache.set_pad(b, start)
+            if self.noise is not None:
+                self.noise[b] = initial_noise_table(e.cfg, sp.seed).to(self.noise)
+            self.plist[b] = sp
+            self.sampler.set_row(b, sp, ids)
+            self.texts[b] = RowText(e.tokenizer, sp.stop, self.deltas)
+            self.done[b], self.n_out[b] = False, 0
+            rows = torch.tensor([b], device=self.idx.device)
+            idx = torch.tensor([ids], dtype=torch.long, device=self.idx.device)
+            if e.adaptive and e.policy.exit_in_prefill:      # prompt tokens may exit: one column at a time
+                for c in range(len(ids)):
+                    logits, used = e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill",
+                                               noise=self.noise, rows=rows)
+            else:
+                logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows)
+            self._sampled(logits, used, [b])
+            return b, self._emit([b])
+
+    # -- inside ---------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        e, t0 = self.engine, time.perf_counter()
+        if e.adaptive and e.policy.exit_in_prefill:          # prompt tokens may exit: one column at a time
+            for c in range(self.idx.shape[1]):
+                logits, used = e.run_chunk(self.idx[:, c:c + 1], c, self.cache, phase="prefill", noise=self.noise)
+        else:
+            logits, used = e.run_chunk(self.idx, 0, self.cache, phase="prefill", noise=self.noise)
+        self._sampled(logits, used, list(range(self.B)))
+        t1 = time.perf_counter()
+        self.stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0,
+                          prefill_tokens_per_s=self._prompt_tokens / max(t1 - t0, 1e-9))
+        self.started, self._step_start, self._cpu_start = True, t1, time.process_time()
+
+    def _decode(self, rows: list[int]) -> None:
+        """Feed the running rows' latest tokens at column col (finished rows are left out)."""
+        e = self.engine
+        toks = torch.tensor([self.tokens[b] for b in rows], dtype=torch.long, device=self.idx.device)
+        self.sampler.observe(toks, rows)
+        sel = None if len(rows) == self.B else torch.tensor(rows, device=self.idx.device)
+        logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel)
+        self._sampled(logits, used, rows)
+        self.col += 1
+        self.row_steps += len(rows)
+        now = time.perf_counter()
+        self.latencies.append(now - self._step_start)
+        self._step_start = now
+
+    def _sampled(self, logits: Tensor, used: Tensor | int, rows: list[int]) -> None:
+        """Sample the next token of `rows` from their logits (len(rows), V)."""
+        toks = self.sampler(logits, rows).tolist()
+        used_l = [used] * len(rows) if isinstance(used, int) else used.tolist()
+        for b, tok, n in zip(rows, toks, used_l):
+            self.tokens[b], self.rounds[b] = tok, n
+
+    def _emit(self, rows: list[int]) -> list[TokenEvent]:
+        """The events of `rows`' latest tokens; rows end on eos, a stop string or their length."""
+        events = []
+        for b in rows:
+            tok, sp, text = self.tokens[b], self.plist[b], self.texts[b]
+            self.n_out[b] += 1
+            reason = None
+            if _is_eos(sp, self.eos, tok):
+                reason, delta = "stop", text.finish()
+            else:
+                delta, hit = text.push(tok)
+                if hit:
+                    reason, delta = "stop", delta + text.finish()
+                elif self.n_out[b] >= sp.max_new_tokens:
+                    reason, delta = "length", delta + text.finish()
+            self.done[b] = reason is not None
+            events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason))
+        if all(self.done):
+            decode_s = sum(self.latencies)
+            self.stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - self._cpu_start,
+                              decode_tokens=self.row_steps, token_latencies_s=self.latencies,
+                              decode_tokens_per_s=self.row_steps / decode_s if self.latencies else 0.0)
+        return events
+
+
+class _SpeculativeRun:
+    """Self-speculative decoding (batch 1) behind DecodeBatch's interface; it takes no new rows."""
+
+    def __init__(self, steps: Iterator[list[TokenEvent]]):
+        self.steps, self.finished = steps, False
+
+    def step(self) -> list[TokenEvent]:
+        """The tokens of the next verification (the accepted drafts and the verifier's own)."""
+        if self.finished:
+            return []
+        with torch.inference_mode():
+            try:
+                return next(self.steps)
+            except StopIteration:
+                self.finished = True
+                return []
+
+    def join(self, prompt: Any, params: Any = None) -> None:
+        return None
+
+
+def _events(run: "DecodeBatch | _SpeculativeRun") -> Iterator[TokenEvent]:
+    """A batch's events, step after step, until it finishes."""
+    while not run.finished:
+        yield from run.step()
 
 
 def _is_eos(sp: SamplingParams, eos: int | None, tok: int) -> bool:

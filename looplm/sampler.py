@@ -77,34 +77,51 @@ class Sampler:
     """Per-row sampling: repetition penalty, temperature, top-k, top-p, a seeded generator per row."""
 
     def __init__(self, plist: list[SamplingParams], prompts: list[list[int]], vocab: int, device: torch.device):
-        self.plist, self.V = plist, vocab
+        self.plist, self.V, self.device = list(plist), vocab, device
         self.gens = [torch.Generator().manual_seed(sp.seed) for sp in plist]
-        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 for sp in plist)
-        self.penalised = any(sp.repetition_penalty != 1.0 for sp in plist)
-        self.seen: Tensor | None = None
-        if self.penalised:
-            self.seen = torch.zeros(len(plist), vocab, dtype=torch.bool, device=device)
-            for b, p in enumerate(prompts):
-                self.seen[b, torch.tensor(p, dtype=torch.long)] = True
-            self.penalty = torch.tensor([[sp.repetition_penalty] for sp in plist], device=device)
+        self.seen: Tensor | None = None            # (B, V) tokens in each row's prompt and output
+        self.penalty: Tensor | None = None         # (B, 1)
+        self._prompts = [list(p) for p in prompts]
+        self._update_kinds()
 
-    def __call__(self, logits: Tensor) -> Tensor:
-        """(B, V) -> (B,) next tokens."""
+    def _update_kinds(self) -> None:
+        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 for sp in self.plist)
+        if self.seen is None and any(sp.repetition_penalty != 1.0 for sp in self.plist):
+            self.seen = torch.zeros(len(self.plist), self.V, dtype=torch.bool, device=self.device)
+            for b, p in enumerate(self._prompts):
+                self.seen[b, torch.tensor(p, dtype=torch.long)] = True
+            self.penalty = torch.tensor([[sp.repetition_penalty] for sp in self.plist], device=self.device)
+
+    def set_row(self, b: int, sp: SamplingParams, prompt: list[int]) -> None:
+        """Row b now serves a new request (its own parameters, seed and seen tokens)."""
+        self.plist[b], self.gens[b], self._prompts[b] = sp, torch.Generator().manual_seed(sp.seed), list(prompt)
+        if self.seen is not None and self.penalty is not None:
+            self.seen[b] = False
+            self.seen[b, torch.tensor(prompt, dtype=torch.long)] = True
+            self.penalty[b] = sp.repetition_penalty
+        self._update_kinds()
+
+    def __call__(self, logits: Tensor, rows: list[int] | None = None) -> Tensor:
+        """(B', V) logits of `rows` (default all rows) -> (B',) next tokens."""
         if self.plain:
             return logits.argmax(-1)
+        rows = list(range(len(self.plist))) if rows is None else rows
         logits = logits.float()
-        if self.seen is not None:
-            logits = penalise(logits, self.seen, self.penalty)
+        if self.seen is not None and self.penalty is not None:
+            logits = penalise(logits, self.seen[rows], self.penalty[rows])
         out = logits.argmax(-1)
-        for b, sp in enumerate(self.plist):
+        for j, b in enumerate(rows):
+            sp = self.plist[b]
             if not sp.greedy:
-                probs = sampling_probs(logits[b], sp)
-                out[b] = torch.multinomial(probs.cpu(), 1, generator=self.gens[b])[0]
+                probs = sampling_probs(logits[j], sp)
+                out[j] = torch.multinomial(probs.cpu(), 1, generator=self.gens[b])[0]
         return out
 
-    def observe(self, tokens: Tensor) -> None:
+    def observe(self, tokens: Tensor, rows: list[int] | None = None) -> None:
+        """Tokens (B',) of `rows` (default all) join their rows' seen sets."""
         if self.seen is not None:
-            self.seen[torch.arange(tokens.shape[0]), tokens] = True
+            idx = torch.arange(tokens.shape[0]) if rows is None else torch.tensor(rows)
+            self.seen[idx, tokens] = True
 
     def observe_one(self, tok: int) -> None:
         if self.seen is not None:
@@ -117,6 +134,7 @@ class Sampler:
             seen = self.seen[0].clone()
             if extra:
                 seen[torch.tensor(extra)] = True
+            assert self.penalty is not None
             logits = penalise(logits[None], seen[None], self.penalty[:1])[0]
         return logits
 
