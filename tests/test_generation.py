@@ -66,6 +66,59 @@ def test_rows_that_finished_are_not_computed_and_the_others_are_unchanged(config
         assert got.tokens == alone.tokens and got.rounds_used == alone.rounds_used, (config, prompt)
 
 
+
+@pytest.mark.parametrize("config, init", [
+    ({}, "random"), ({"prefill_cache": "last", "decode_cache": "last"}, "prelude"),
+    ({"prefill_cache": "average", "decode_cache": "first"}, "random"), ({"exit": "kl:0.02"}, "prelude"),
+    ({"exit": "kl:0.02", "missing": "mask"}, "random"), ({"exit": "entropy:5.2", "decode_cache": "last"}, "prelude"),
+    ({"exit": "kl:0.02", "exit_in_prefill": True}, "prelude"),
+])
+def test_prompts_that_join_a_running_batch_equal_each_alone(config, init):
+    """Continuous batching: a new prompt takes a finished row's place in a running batch."""
+    eng = Engine(tiny(**{"model.init_state": init}), TOK, GenerationConfig(**config))
+    starters = [("a0", "hello", SamplingParams(max_new_tokens=2, stop_at_eos=False)),
+                ("a1", "a somewhat longer prompt", SamplingParams(max_new_tokens=30, temperature=0.8, seed=1,
+                                                                  stop_at_eos=False)),
+                ("a2", "xy", SamplingParams(max_new_tokens=4, stop_at_eos=False))]
+    joiners = [("j0", "The loop runs", SamplingParams(max_new_tokens=6, stop_at_eos=False)),
+               ("j1", "q", SamplingParams(max_new_tokens=9, temperature=0.7, seed=5, repetition_penalty=1.3,
+                                          stop_at_eos=False)),
+               ("j2", "0123456789", SamplingParams(max_new_tokens=12, stop=("zz",), stop_at_eos=False))]
+    batch = eng.batch([p for _, p, _ in starters], [sp for _, _, sp in starters], length=64)
+    owner = {b: name for b, (name, _, _) in enumerate(starters)}
+    got: dict[str, list[int]] = {name: [] for name, _, _ in starters + joiners}
+    waiting = list(joiners)
+    while not batch.finished:
+        for ev in batch.step():
+            got[owner[ev.row]].append(ev.token)
+        while waiting:
+            name, prompt, sp = waiting[0]
+            placed = batch.join(prompt, sp)
+            if placed is None:
+                break
+            row, events = placed
+            owner[row] = name
+            got[name] += [ev.token for ev in events]
+            waiting.pop(0)
+    assert not waiting
+    for name, prompt, sp in starters + joiners:
+        assert got[name] == eng.generate([prompt], sp)[0].tokens, (config, name)
+
+
+def test_a_prompt_that_does_not_fit_does_not_join(model):
+    eng = Engine(model, TOK, GenerationConfig())
+    batch = eng.batch(["abcd", "efgh"], [SamplingParams(max_new_tokens=2, stop_at_eos=False),
+                                         SamplingParams(max_new_tokens=20, stop_at_eos=False)], length=30)
+    assert batch.join("ab", SamplingParams(max_new_tokens=2)) is None          # not started: no free row
+    batch.step()
+    batch.step()                                                               # row 0 is done, col = 5
+    assert batch.join("abcdef", SamplingParams(max_new_tokens=2)) is None      # 6 prompt tokens > 5 columns
+    assert batch.join("ab", SamplingParams(max_new_tokens=27)) is None         # 5 + 27 - 1 > 30 columns
+    row, events = batch.join("ab", SamplingParams(max_new_tokens=4, stop_at_eos=False))
+    assert row == 0 and len(events) == 1
+    assert batch.join("c", SamplingParams(max_new_tokens=2)) is None                     # no free row left
+
+
 def test_cached_greedy_matches_the_no_cache_reference(model):
     """sampling.py recomputes the whole sequence per token (deterministic initial state here)."""
     m = tiny(**{"model.init_state": "prelude"})
