@@ -3,11 +3,17 @@
     python benchmarks/serve_interleave.py [--threads N] [--trials 5] [--long 200] [--short 8]
 
 A long request (32-token prompt, `--long` new tokens) starts; 20 ms later a short one arrives
-(16-token prompt, `--short` new tokens). With `max_batches=1` the short one waits for the long
-batch to end (static batching); with the default 4 it starts its own batch and the two advance
-one decode step each in turn. Printed: medians over `--trials` of the time from the short
-request's arrival until each request's last token. The worker is driven directly (no HTTP), so
-the figures are the scheduling alone.
+(16-token prompt, `--short` new tokens). Three schedules:
+
+    static       one batch of one row (max_batches=1, max_batch=1): the short one waits
+    in turn      batches of one row (max_batch=1, max_batches=4): the short one starts its own
+                 batch and the two advance one decode step each in turn
+    continuous   the defaults (max_batch=8, max_batches=4): the short one takes a free row of
+                 the running batch, and the two decode as one batch
+
+Printed: medians over `--trials` of the time from the short request's arrival until each
+request's last token. The worker is driven directly (no HTTP), so the figures are the
+scheduling alone.
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from looplm.model import build_model
 from looplm.serve import ServeLimits, _Row, _Worker
 
 
-def trial(engine: Engine, max_batches: int, n_long: int, n_short: int) -> tuple[float, float]:
+SCHEDULES = {"static": dict(max_batches=1, max_batch=1), "in turn": dict(max_batch=1, max_batches=4),
+             "continuous": dict(max_batch=8, max_batches=4)}
+
+
+def trial(engine: Engine, limits: dict, n_long: int, n_short: int) -> tuple[float, float]:
     started, finished = threading.Event(), {}
 
     def sender(name: str):
@@ -39,7 +49,7 @@ def trial(engine: Engine, max_batches: int, n_long: int, n_short: int) -> tuple[
                 finished[name] = time.perf_counter()
         return send
 
-    worker = _Worker(engine, ServeLimits(max_batches=max_batches, batch_window_ms=0))
+    worker = _Worker(engine, ServeLimits(batch_window_ms=0, **limits))
     try:
         worker.inbox.put(_Row(ids=list(range(32)), send=sender("long"),
                               params=SamplingParams(max_new_tokens=n_long, stop_at_eos=False)))
@@ -68,15 +78,13 @@ def main() -> None:
     engine = Engine(build_model(load_recipe("quickstart", overrides=BENCH_S)).eval(), None)
     print(f"bench-s, {args.threads} thread(s): a {args.short}-token request arriving 20 ms into a "
           f"{args.long}-token one; ms from its arrival, median of {args.trials}")
-    results: dict[int, list[tuple[float, float]]] = {1: [], 4: []}
-    for _ in range(args.trials):               # interleaved, so load from elsewhere hits both alike
-        for mb in results:
-            results[mb].append(trial(engine, mb, args.long, args.short))
-    for mb, runs in results.items():
-        label = "static (max_batches=1)" if mb == 1 else f"in turn (max_batches={mb})"
-        print(f"{label:>26}: short done after {statistics.median(r[0] for r in runs):6.0f} ms, "
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in SCHEDULES}
+    for _ in range(args.trials):               # interleaved, so load from elsewhere hits all alike
+        for name, limits in SCHEDULES.items():
+            results[name].append(trial(engine, limits, args.long, args.short))
+    for name, runs in results.items():
+        print(f"{name:>12}: short done after {statistics.median(r[0] for r in runs):6.0f} ms, "
               f"long after {statistics.median(r[1] for r in runs):6.0f} ms")
-
 
 if __name__ == "__main__":
     main()

@@ -106,6 +106,8 @@ class LoopKVCache:
         # first column of each row (left padding); pad columns are never attended to by real tokens
         self.pad = torch.zeros(batch, dtype=torch.long, device=device) if pad is None else pad.to(device)
         self.padded = bool((self.pad > 0).any())
+        self._pads = self.pad.tolist()
+        self.chunk_padded = self.padded      # whether the current chunk's rows have pad columns
         cols = torch.arange(length, device=device)
         self._valid = (cols[None, :] >= self.pad[:, None]).view(batch, 1, 1, length)   # (B, 1, 1, L)
         # rounds each column's token ran (mask mode only); "in progress" columns count as all rounds
@@ -113,7 +115,8 @@ class LoopKVCache:
         self._holes = False
         self.filled = 0                      # columns committed so far
         self._start, self._T, self._phase = 0, 0, "prefill"
-        self._rows: Tensor | None = None
+        self._rows: Tensor | slice | None = None
+        self._chunk_rows: list[int] | None = None
         self._base_mask: Tensor | None = None
         self._round_masks: dict[int, Tensor | None] = {}
         self._stash: dict[int, tuple[Tensor, Tensor]] = {}
@@ -135,13 +138,15 @@ class LoopKVCache:
         if start < 0 or start + T > self.length:
             raise ValueError(f"cache holds {self.length} columns; asked to write {start}..{start + T - 1}")
         self._start, self._T, self._phase = start, T, phase
-        self._rows = self._chunk_rows = rows
+        self._rows = _index(rows)
+        self._chunk_rows = None if rows is None else rows.tolist()
+        self.chunk_padded = any(self._pads[b] for b in (range(self.batch) if rows is None else self._chunk_rows))
         self._round_masks = {}
         self._stash = {}
         if self.missing == "mask":
             self.depth[self._all(rows), start:start + T] = self.rounds
         if T == 1:
-            self._base_mask = self._valid[..., :start + 1] if self.padded else None
+            self._base_mask = self._valid[..., :start + 1] if self.chunk_padded else None
         else:
             q = torch.arange(start, start + T, device=self.pad.device)
             kcols = torch.arange(start + T, device=self.pad.device)
@@ -153,7 +158,7 @@ class LoopKVCache:
 
     def select(self, rows: Tensor | None) -> None:
         """Restrict following updates to these rows (None = all); rows that exited stop computing."""
-        self._rows = rows
+        self._rows = _index(rows)
         self._round_masks = {}
 
     @staticmethod
@@ -164,8 +169,9 @@ class LoopKVCache:
         """Row `row` now starts at column `pad` (a new prompt placed in a finished row's place);
         it never attends to the columns before."""
         self.pad[row] = pad
+        self._pads[row] = pad
         self._valid[row] = (torch.arange(self.length, device=self.pad.device) >= pad).view(1, 1, -1)
-        self.padded = bool((self.pad > 0).any())
+        self.padded = any(self._pads)
 
     def _mask(self, kind: str, r: int) -> Tensor | None:
         if kind != "core" or not self._holes:
@@ -230,8 +236,7 @@ class LoopKVCache:
         if isinstance(rounds_used, int) and rounds_used == R and policy == "full":
             return    # the common case: every slot was written (and begin() set the depth), nothing to fill
         ru = torch.full((B,), int(rounds_used)) if isinstance(rounds_used, int) else rounds_used.cpu()
-        rows = self._chunk_rows
-        groups = self._row_groups(ru, None if rows is None else rows.tolist())
+        groups = self._row_groups(ru, self._chunk_rows)
         if self.per_round:
             for part in (self.k_core, self.v_core):
                 if policy == "full":
@@ -279,3 +284,14 @@ class LoopKVCache:
         if not 0 <= filled <= self.length:
             raise ValueError(f"truncate to {filled} outside 0..{self.length}")
         self.filled = filled
+
+
+def _index(rows: Tensor | None) -> Tensor | slice | None:
+    """Rows as an index: a slice when they are consecutive, so that reading them is a view of the
+    cache rather than a copy of every key and value they hold."""
+    if rows is None or rows.numel() == 0:
+        return rows
+    first = int(rows[0])
+    if bool((rows == torch.arange(first, first + rows.numel(), device=rows.device)).all()):
+        return slice(first, first + rows.numel())
+    return rows

@@ -164,19 +164,20 @@ class Engine:
 
     def batch(self, prompts: Sequence[str | Sequence[int]] | str,
               params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-              length: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+              length: int | None = None, capacity: int | None = None) -> "DecodeBatch | _SpeculativeRun":
         """A batch to advance one step at a time: `step()` returns that step's TokenEvents and
         `finished` says when every row is done. A plain engine's DecodeBatch also takes new
-        prompts into finished rows' places (`join`); `length` is its cache columns (default:
-        what these prompts need; more leaves room for prompts that join later)."""
+        prompts into free rows (`join`): `capacity` rows in all (default: one per prompt) and
+        `length` cache columns (default: what these prompts need; more leaves room for prompts
+        that join later)."""
         ids, plist = self._prepare(prompts, params)
-        return self._open(ids, plist, deltas=True, length=length)
+        return self._open(ids, plist, deltas=True, length=length, capacity=capacity)
 
-    def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
-              length: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+    def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
+              capacity: int | None = None) -> "DecodeBatch | _SpeculativeRun":
         if self.speculative is not None:
             return _SpeculativeRun(self._speculative_events(ids, plist, deltas))
-        return DecodeBatch(self, ids, plist, deltas, length)
+        return DecodeBatch(self, ids, plist, deltas, length, capacity)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
@@ -254,7 +255,7 @@ class Engine:
         B, T = idx.shape
         cache.begin(start, T, phase, rows)
         positions = None
-        if cache.padded:
+        if cache.chunk_padded:                     # these rows have pad columns: positions per row
             cols = torch.arange(start, start + T, device=idx.device)
             pad = cache.pad if rows is None else cache.pad[rows]
             positions = (cols[None, :] - pad[:, None]).clamp_min(0)             # (B, T)
@@ -409,7 +410,8 @@ class DecodeBatch:
 
     `step()` returns the next token of every running row as TokenEvents (the first call runs the
     prefill); rows that finished (eos, a stop string, their max_new_tokens) are left out of later
-    steps. `join(prompt, params)` prefills a new prompt into a finished row, right-aligned so that
+    steps. `join(prompt, params)` prefills a new prompt into a free row (a finished one, or one
+    of the `capacity` rows beyond the starting prompts), right-aligned so that
     its prompt ends just before the column the running rows write next, and returns the row and
     its first token's events, or None when no row is free or it does not fit (its prompt must fit
     in the columns so far and its tokens in the rest). `Engine.stream` drives one batch to the
@@ -418,32 +420,35 @@ class DecodeBatch:
     """
 
     def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
-                 length: int | None = None):
+                 length: int | None = None, capacity: int | None = None):
         engine._kernels()
         self.engine, self.deltas = engine, deltas
         ref = next(engine.model.parameters())
-        B, P = len(ids), max(len(p) for p in ids)
+        n, P = len(ids), max(len(p) for p in ids)
+        B = capacity or n                                    # rows n..B-1 start free
         need = P + max(sp.max_new_tokens for sp in plist)
         if length is not None and not need <= length <= engine.cfg.context:
             raise ValueError(f"cache length {length}: these prompts need {need}..{engine.cfg.context}")
-        self.B = B
-        self.idx = torch.zeros(B, P, dtype=torch.long, device=ref.device)     # left-padded prompts
+        if B < n:
+            raise ValueError(f"capacity {capacity}: fewer rows than the {n} prompts")
+        self.B, self.n_start = B, n
+        self.idx = torch.zeros(n, P, dtype=torch.long, device=ref.device)     # left-padded prompts
         for b, p in enumerate(ids):
             self.idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        pad = torch.tensor([P - len(p) for p in ids], dtype=torch.long, device=ref.device)
+        pad = torch.tensor([P - len(p) for p in ids] + [P] * (B - n), dtype=torch.long, device=ref.device)
         self.cache = engine.new_cache(B, length or need, pad)
-        self.noise = engine._noise(plist, ref)                                 # (B, context, d) or None
-        self.plist = list(plist)
-        self.sampler = Sampler(self.plist, ids, engine.cfg.vocab_size, ref.device)
-        self.texts = [RowText(engine.tokenizer, sp.stop, deltas) for sp in plist]
+        self.plist = list(plist) + [SamplingParams(max_new_tokens=1)] * (B - n)    # free rows: placeholders
+        self.noise = engine._noise(self.plist, ref)                            # (B, context, d) or None
+        self.sampler = Sampler(self.plist, list(ids) + [[]] * (B - n), engine.cfg.vocab_size, ref.device)
+        self.texts = [RowText(engine.tokenizer, sp.stop, deltas) for sp in self.plist]
         self.eos = getattr(engine.tokenizer, "eos_id", None)
-        self.done, self.n_out = [False] * B, [0] * B
+        self.done, self.n_out = [False] * n + [True] * (B - n), [0] * B
         self.tokens, self.rounds = [0] * B, [0] * B          # each row's latest token and its rounds
         self.col = P                                         # the column the next decode step writes
         self.started = False
         self.latencies: list[float] = []
         self.row_steps = 0
-        self.stats: dict[str, Any] = {"batch": B, "rounds": engine.rounds, "exit": str(engine.policy),
+        self.stats: dict[str, Any] = {"batch": n, "capacity": B, "rounds": engine.rounds, "exit": str(engine.policy),
                                       "prefill_cache": engine.config.prefill_cache,
                                       "decode_cache": engine.config.decode_cache,
                                       "missing": engine.config.missing, "cache_bytes": self.cache.nbytes()}
@@ -461,7 +466,7 @@ class DecodeBatch:
         with torch.inference_mode():
             if not self.started:
                 self._prefill()
-                return self._emit(list(range(self.B)))
+                return self._emit(list(range(self.n_start)))
             rows = [b for b in range(self.B) if not self.done[b]]
             self._decode(rows)
             return self._emit(rows)
@@ -497,27 +502,45 @@ class DecodeBatch:
             self._sampled(logits, used, [b])
             return b, self._emit([b])
 
+    def cancel(self, row: int) -> None:
+        """Stop a row (its client went away): no more events, its place is free for `join`."""
+        if self.started:
+            self.done[row] = True
+
     # -- inside ---------------------------------------------------------------------------
     def _prefill(self) -> None:
         e, t0 = self.engine, time.perf_counter()
+        rows = None if self.n_start == self.B else torch.arange(self.n_start, device=self.idx.device)
         if e.adaptive and e.policy.exit_in_prefill:          # prompt tokens may exit: one column at a time
             for c in range(self.idx.shape[1]):
-                logits, used = e.run_chunk(self.idx[:, c:c + 1], c, self.cache, phase="prefill", noise=self.noise)
+                logits, used = e.run_chunk(self.idx[:, c:c + 1], c, self.cache, phase="prefill", noise=self.noise,
+                                           rows=rows)
         else:
-            logits, used = e.run_chunk(self.idx, 0, self.cache, phase="prefill", noise=self.noise)
-        self._sampled(logits, used, list(range(self.B)))
+            logits, used = e.run_chunk(self.idx, 0, self.cache, phase="prefill", noise=self.noise, rows=rows)
+        self._sampled(logits, used, list(range(self.n_start)))
         t1 = time.perf_counter()
         self.stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0,
                           prefill_tokens_per_s=self._prompt_tokens / max(t1 - t0, 1e-9))
         self.started, self._step_start, self._cpu_start = True, t1, time.process_time()
 
     def _decode(self, rows: list[int]) -> None:
-        """Feed the running rows' latest tokens at column col (finished rows are left out)."""
-        e = self.engine
-        toks = torch.tensor([self.tokens[b] for b in rows], dtype=torch.long, device=self.idx.device)
+        """Feed the running rows' latest tokens at column col. Finished and free rows are left
+        out when the running ones are consecutive (the cache is read as views) or at most half
+        the batch; otherwise every row runs (reading a scattered subset copies its keys and
+        values) and only the running rows are sampled; the others' entries are never read."""
+        e, dev = self.engine, self.idx.device
+        toks = torch.tensor([self.tokens[b] for b in rows], dtype=torch.long, device=dev)
         self.sampler.observe(toks, rows)
-        sel = None if len(rows) == self.B else torch.tensor(rows, device=self.idx.device)
-        logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        if len(rows) < self.B and (consecutive or 2 * len(rows) <= self.B):
+            sel = torch.tensor(rows, device=dev)
+            logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel)
+        else:
+            every = torch.tensor(self.tokens, dtype=torch.long, device=dev)
+            logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise)
+            if len(rows) < self.B:
+                logits = logits[rows]
+                used = used if isinstance(used, int) else used[rows]
         self._sampled(logits, used, rows)
         self.col += 1
         self.row_steps += len(rows)
@@ -576,6 +599,9 @@ class _SpeculativeRun:
 
     def join(self, prompt: Any, params: Any = None) -> None:
         return None
+
+    def cancel(self, row: int) -> None:
+        self.finished = True
 
 
 def _events(run: "DecodeBatch | _SpeculativeRun") -> Iterator[TokenEvent]:

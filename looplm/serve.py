@@ -8,15 +8,17 @@ a prompt longer than the limits or the context): the reply is a 4xx with an Open
 `{"error": {"message", "type", "param", "code"}}` body, and the server keeps serving. More
 requests in flight than `max_concurrent` get 429.
 
-Concurrency. One worker thread owns the model. When idle it takes the first waiting prompt,
-waits up to `batch_window_ms` for more (up to `max_batch` prompts), and runs them as one batch of
-the engine (left-padded rows; each row samples with its own parameters and seeded generator, so
-a request's output does not depend on its batch mates). Prompts that arrive while batches run
-start a new batch at once (up to `max_batches` at a time, each with its own cache), and the
-worker advances the running batches one decode step each in turn: a short request is not held
-behind a long one. Tokens flow back to each request through its own queue as they are sampled,
-which is what `stream: true` sends as server-sent events. A batch stops at the next step once
-the clients of all its unfinished rows have gone away (closed streams).
+Concurrency. One worker thread owns the model and keeps up to `max_batches` batches of the
+engine running (each with its own cache, rows left-padded; each row samples with its own
+parameters and seeded generator, so a request's output does not depend on its batch mates).
+It advances them one decode step each in turn. A waiting prompt takes a free row of a running
+batch (each has `max_batch` rows) when it fits there (continuous batching: its prompt must fit
+in the columns that batch has used so far, its tokens in the rest of the context), else it
+starts a new batch with other waiting prompts (when the server was idle, it first waits up to
+`batch_window_ms` for them), else it waits. So a short request is not held behind a long one.
+Tokens flow back to each request through its own queue as they are sampled, which is what
+`stream: true` sends as server-sent events. A row whose client has gone away (a closed stream)
+stops at the next step and frees its place.
 
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
@@ -31,6 +33,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,60 +108,88 @@ class _Worker:
         self.stopping.set()
         self.thread.join(timeout=10)
 
-    def _take(self, max_batch: int, wait: bool) -> list[_Row]:
-        """Waiting prompts for a new batch: when idle (`wait`), block briefly for the first and
-        give others `batch_window_ms` to join; while batches run, only what is already here."""
+    def _collect(self, waiting: deque[_Row], idle: bool) -> None:
+        """Move new prompts to `waiting`. When idle, block briefly for the first and give others
+        `batch_window_ms` to arrive with it; while batches run, take only what is already here."""
         try:
-            batch = [self.inbox.get(timeout=0.1) if wait else self.inbox.get_nowait()]
+            waiting.append(self.inbox.get(timeout=0.1) if idle else self.inbox.get_nowait())
         except queue.Empty:
-            return []
-        deadline = time.monotonic() + (self.limits.batch_window_ms / 1000 if wait else 0)
-        while len(batch) < max_batch:
+            return
+        deadline = time.monotonic() + (self.limits.batch_window_ms / 1000 if idle else 0)
+        while True:
             left = deadline - time.monotonic()
             try:
-                batch.append(self.inbox.get(timeout=left) if left > 0 else self.inbox.get_nowait())
+                waiting.append(self.inbox.get(timeout=left) if left > 0 else self.inbox.get_nowait())
             except queue.Empty:
-                break
-        return batch
+                return
 
     def _loop(self) -> None:
         max_batch = 1 if self.engine.speculative else self.limits.max_batch
         running: list[_Batch] = []
+        waiting: deque[_Row] = deque()
         while not self.stopping.is_set():
-            if len(running) < self.limits.max_batches:
-                rows = self._take(max_batch, wait=not running)
-                if rows:
-                    running.append(_Batch(rows, self.engine))
+            self._collect(waiting, idle=not running and not waiting)
+            while waiting:           # a finished row's place in a running batch, else a new batch
+                if waiting[0].cancelled:
+                    waiting.popleft()
+                elif any(b.join(waiting[0]) for b in running):
+                    waiting.popleft()
+                elif len(running) < self.limits.max_batches:
+                    group = [waiting.popleft() for _ in range(min(max_batch, len(waiting)))]
+                    running.append(_Batch(group, self.engine, max_batch))
+                else:
+                    break
             running = [b for b in running if b.step()]
 
 
 class _Batch:
-    """One engine batch in the worker: its rows and its event stream (its own cache)."""
+    """One engine batch in the worker (its own cache): engine row -> the request row it serves."""
 
-    def __init__(self, rows: list[_Row], engine: Engine):
-        self.rows = rows
-        self.running = set(range(len(rows)))        # rows that have not finished
-        self.events = engine.stream([r.ids for r in rows], [r.params for r in rows])
+    def __init__(self, rows: list[_Row], engine: Engine, capacity: int):
+        self.rows = dict(enumerate(rows))
+        try:                     # room for prompts that join later: `capacity` rows, the whole context
+            self.run: Any = engine.batch([r.ids for r in rows], [r.params for r in rows],
+                                         length=engine.cfg.context, capacity=capacity)
+        except Exception as err:
+            self._fail(err)
 
-    def step(self) -> bool:
-        """Advance one decode step (one token per running row); False once the batch is over or
-        the clients of all its running rows have gone away."""
-        if all(self.rows[i].cancelled for i in self.running):
-            self.events.close()
+    def _fail(self, err: Exception) -> None:
+        """A bug or an engine error: fail this batch's requests, keep serving."""
+        for r in self.rows.values():
+            r.send(err)
+        self.run = None
+
+    def join(self, row: _Row) -> bool:
+        """Place a waiting prompt in a finished row's place; False when it does not fit here."""
+        if self.run is None:
             return False
         try:
-            for _ in range(len(self.running)):
-                ev = next(self.events)
+            placed = self.run.join(row.ids, row.params)
+        except Exception as err:
+            row.send(err)
+            return True
+        if placed is None:
+            return False
+        b, events = placed
+        self.rows[b] = row
+        for ev in events:
+            row.send(ev)
+        return True
+
+    def step(self) -> bool:
+        """One decode step of the rows whose clients are still there; False once it is over."""
+        if self.run is None:
+            return False
+        for b, r in self.rows.items():
+            if r.cancelled:
+                self.run.cancel(b)
+        try:
+            for ev in self.run.step():
                 self.rows[ev.row].send(ev)
-                if ev.finish_reason is not None:
-                    self.running.discard(ev.row)
-        except StopIteration:
+        except Exception as err:
+            self._fail(err)
             return False
-        except Exception as err:  # a bug or an engine error: fail this batch, keep serving
-            for r in self.rows:
-                r.send(err)
-            return False
-        return bool(self.running)
+        return not self.run.finished
 
 
 class CompletionRequest(BaseModel):

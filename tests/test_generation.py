@@ -74,7 +74,8 @@ def test_rows_that_finished_are_not_computed_and_the_others_are_unchanged(config
     ({"exit": "kl:0.02", "exit_in_prefill": True}, "prelude"),
 ])
 def test_prompts_that_join_a_running_batch_equal_each_alone(config, init):
-    """Continuous batching: a new prompt takes a finished row's place in a running batch."""
+    """Continuous batching: a new prompt takes a free row (one beyond the starting prompts, or a
+    finished row's place) in a running batch."""
     eng = Engine(tiny(**{"model.init_state": init}), TOK, GenerationConfig(**config))
     starters = [("a0", "hello", SamplingParams(max_new_tokens=2, stop_at_eos=False)),
                 ("a1", "a somewhat longer prompt", SamplingParams(max_new_tokens=30, temperature=0.8, seed=1,
@@ -84,7 +85,7 @@ def test_prompts_that_join_a_running_batch_equal_each_alone(config, init):
                ("j1", "q", SamplingParams(max_new_tokens=9, temperature=0.7, seed=5, repetition_penalty=1.3,
                                           stop_at_eos=False)),
                ("j2", "0123456789", SamplingParams(max_new_tokens=12, stop=("zz",), stop_at_eos=False))]
-    batch = eng.batch([p for _, p, _ in starters], [sp for _, _, sp in starters], length=64)
+    batch = eng.batch([p for _, p, _ in starters], [sp for _, _, sp in starters], length=64, capacity=4)
     owner = {b: name for b, (name, _, _) in enumerate(starters)}
     got: dict[str, list[int]] = {name: [] for name, _, _ in starters + joiners}
     waiting = list(joiners)

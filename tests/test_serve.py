@@ -248,3 +248,44 @@ def test_a_batch_whose_client_went_away_stops():
     assert len(got) == 1                     # no token computed for a row nobody reads
     assert [ev.token for ev in after] == engine.generate([list(b"next")], SamplingParams(
         max_new_tokens=4, stop_at_eos=False))[0].tokens
+
+
+def test_a_new_request_takes_a_finished_rows_place_in_a_running_batch():
+    """Continuous batching: with room for one batch only, a request that arrives after a short
+    batch mate finished joins the running batch instead of waiting for the long row to end."""
+    import threading
+
+    from looplm.generation import Engine, SamplingParams
+    from looplm.serve import ServeLimits, _Row, _Worker
+
+    torch.manual_seed(0)
+    model = looplm.build_model(looplm.load_recipe("quickstart", overrides={**TINY, "model.context": 128})).eval()
+    engine = Engine(model, ByteTokenizer())
+    jobs = {"long": (b"a long one", SamplingParams(max_new_tokens=100, stop_at_eos=False)),
+            "short": (b"short", SamplingParams(max_new_tokens=2, stop_at_eos=False)),
+            "late": (b"late", SamplingParams(max_new_tokens=5, temperature=0.9, seed=4, stop_at_eos=False))}
+    log: list[tuple[str, int, bool]] = []
+    short_done = threading.Event()
+
+    def sender(name: str):
+        def send(ev):
+            assert not isinstance(ev, Exception), ev
+            log.append((name, ev.token, ev.finish_reason is not None))
+            if name == "short" and ev.finish_reason:
+                short_done.set()
+        return send
+
+    worker = _Worker(engine, ServeLimits(max_batches=1, max_batch=2, batch_window_ms=200))
+    try:
+        for name in ("long", "short"):
+            worker.inbox.put(_Row(ids=list(jobs[name][0]), params=jobs[name][1], send=sender(name)))
+        assert short_done.wait(30)
+        worker.inbox.put(_Row(ids=list(jobs["late"][0]), params=jobs["late"][1], send=sender("late")))
+        deadline = time.monotonic() + 60
+        while sum(last for _, _, last in log) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+    assert [name for name, _, last in log if last] == ["short", "late", "long"]
+    for name, (prompt, sp) in jobs.items():
+        assert [tok for n, tok, _ in log if n == name] == engine.generate([list(prompt)], sp)[0].tokens, name
