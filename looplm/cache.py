@@ -291,7 +291,7 @@ def _index(rows: Tensor | None) -> Tensor | slice | None:
     cache rather than a copy of every key and value they hold."""
     if rows is None or rows.numel() == 0:
         return rows
-    first = int(rows[0])
-    if bool((rows == torch.arange(first, first + rows.numel(), device=rows.device)).all()):
-        return slice(first, first + rows.numel())
+    ids = rows.tolist()
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
     return rows
