@@ -9,7 +9,9 @@ How a batch runs. Prompts of different lengths are left-padded into shared cache
 row keeps its own RoPE positions (column - pad) and never attends to its pad columns, so a row's
 result does not depend on its batch mates. The prompt is one chunk through prelude -> R rounds
 -> coda (`LoopKVCache` stores per-round keys/values); each new token is a chunk of one column.
-Rows that have finished (eos, a stop string, their max_new_tokens) are left out of later chunks.
+Rows that have finished (eos, a stop string, their max_new_tokens) are left out of later chunks,
+and `DecodeBatch.join` places a new prompt in a free row, right-aligned to the running rows'
+column (continuous batching; `Engine.batch` opens one, the server keeps several).
 
 Exit policies (`fixed:R`, `quantile:Q`, `entropy:TAU`, `kl:EPS`, see halting.py) are checked per
 token after every round; a row that exits stops computing (the remaining rows continue as a
@@ -27,12 +29,13 @@ plus the verifier's own token are kept and the cache is trimmed to them. Greedy 
 plain greedy decoding; with temperature, standard speculative sampling (accept with
 min(1, p/q), else resample from max(p - q, 0)) keeps the target distribution.
 
-Speed. The model's math runs through `Kernels` (kernels.py): the same arithmetic as the model's modules
-(parity with `model(idx)` is tested) with fused q/k/v and gate/up matmuls, pre-laid-out
-weights and no module calls; the cache is written in place and read as views. Per decoded
-token the Python loop does one chunk call and one argmax; text is decoded only when streaming
-or when stop strings are set. Sampling and text per row live in sampler.py. The no-cache reference (`sampling.py`) uses the same
-position-indexed noise table (`model.initial_noise_table`), so parity holds for every initial state.
+Speed. The model's math runs through `Kernels` (kernels.py): the same arithmetic as the
+model's modules (parity with `model(idx)` is tested) with fused q/k/v and gate/up matmuls,
+pre-laid-out weights and no module calls; the cache is written in place and read as views.
+Per decoded token the Python loop does one chunk call and one sampling call (sampler.py: per-row
+sampling and text); text is decoded only when streaming or when stop strings are set. The
+no-cache reference (`sampling.py`) uses the same position-indexed noise table
+(`model.initial_noise_table`), so parity holds for every initial state.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ starts a new batch with other waiting prompts (when the server was idle, it firs
 `batch_window_ms` for them), else it waits. So a short request is not held behind a long one.
 Tokens flow back to each request through its own queue as they are sampled, which is what
 `stream: true` sends as server-sent events. A row whose client has gone away (a closed stream)
-stops at the next step and frees its place.
+stops at the next step and frees its place. Each batch's cache holds `max_batch` rows of the
+whole context (bench-s: 4 MiB a row), allocated when the batch starts.
 
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
@@ -129,7 +130,7 @@ class _Worker:
         waiting: deque[_Row] = deque()
         while not self.stopping.is_set():
             self._collect(waiting, idle=not running and not waiting)
-            while waiting:           # a finished row's place in a running batch, else a new batch
+            while waiting:           # a free row of a running batch, else a new batch, else wait
                 if waiting[0].cancelled:
                     waiting.popleft()
                 elif any(b.join(waiting[0]) for b in running):
@@ -160,7 +161,7 @@ class _Batch:
         self.run = None
 
     def join(self, row: _Row) -> bool:
-        """Place a waiting prompt in a finished row's place; False when it does not fit here."""
+        """Place a waiting prompt in a free row of this batch; False when none fits it."""
         if self.run is None:
             return False
         try:
