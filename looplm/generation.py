@@ -507,8 +507,9 @@ class DecodeBatch:
 
     def cancel(self, row: int) -> None:
         """Stop a row (its client went away): no more events, its place is free for `join`."""
-        if self.started:
+        if self.started and not self.done[row]:
             self.done[row] = True
+            self._maybe_finish()
 
     # -- inside ---------------------------------------------------------------------------
     def _prefill(self) -> None:
@@ -575,12 +576,16 @@ class DecodeBatch:
                     reason, delta = "length", delta + text.finish()
             self.done[b] = reason is not None
             events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason))
+        self._maybe_finish()
+        return events
+
+    def _maybe_finish(self) -> None:
+        """When every row is done: the decode figures of the batch's stats."""
         if all(self.done):
             decode_s = sum(self.latencies)
             self.stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - self._cpu_start,
                               decode_tokens=self.row_steps, token_latencies_s=self.latencies,
                               decode_tokens_per_s=self.row_steps / decode_s if self.latencies else 0.0)
-        return events
 
 
 class _SpeculativeRun:

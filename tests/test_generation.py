@@ -120,6 +120,27 @@ def test_a_prompt_that_does_not_fit_does_not_join(model):
     assert batch.join("c", SamplingParams(max_new_tokens=2)) is None                     # no free row left
 
 
+
+def test_a_cancelled_row_stops_and_frees_its_place(model):
+    eng = Engine(model, TOK, GenerationConfig())
+    sp, late = SamplingParams(max_new_tokens=10, stop_at_eos=False), SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    batch = eng.batch(["hello", "ab"], sp)
+    got: dict[str, list[int]] = {"hello": [], "ab": [], "xy": []}
+    owner = {0: "hello", 1: "ab"}
+    for ev in batch.step():
+        got[owner[ev.row]].append(ev.token)
+    batch.cancel(0)                                           # the client of "hello" went away
+    row, events = batch.join("xy", late)
+    assert row == 0
+    owner[0] = "xy"
+    got["xy"] += [ev.token for ev in events]
+    while not batch.finished:
+        for ev in batch.step():
+            got[owner[ev.row]].append(ev.token)
+    assert len(got["hello"]) == 1
+    assert got["ab"] == eng.generate(["ab"], sp)[0].tokens and got["xy"] == eng.generate(["xy"], late)[0].tokens
+
+
 def test_cached_greedy_matches_the_no_cache_reference(model):
     """sampling.py recomputes the whole sequence per token (deterministic initial state here)."""
     m = tiny(**{"model.init_state": "prelude"})
