@@ -1,19 +1,23 @@
-"""How long a short request waits behind a long one in `looplm serve`'s worker, on bench-s.
+"""How `looplm serve`'s worker schedules requests, on bench-s: latency and throughput.
 
     python benchmarks/serve_interleave.py [--threads N] [--trials 5] [--long 200] [--short 8]
+                                          [--requests 24] [--gap-ms 15]
 
-A long request (32-token prompt, `--long` new tokens) starts; 20 ms later a short one arrives
-(16-token prompt, `--short` new tokens). Three schedules:
+Three schedules of the same worker:
 
-    static       one batch of one row (max_batches=1, max_batch=1): the short one waits
-    in turn      batches of one row (max_batch=1, max_batches=4): the short one starts its own
-                 batch and the two advance one decode step each in turn
-    continuous   the defaults (max_batch=8, max_batches=4): the short one takes a free row of
-                 the running batch, and the two decode as one batch
+    one at a time  one batch of one row (max_batches=1, max_batch=1)
+    in turn        batches of one row (max_batch=1, max_batches=4), one decode step each in turn
+    continuous     the defaults (max_batch=8, max_batches=4): a waiting request takes a free row
+                   of a running batch, and rows decode together
 
-Printed: medians over `--trials` of the time from the short request's arrival until each
-request's last token. The worker is driven directly (no HTTP), so the figures are the
-scheduling alone.
+1. A long request (32-token prompt, `--long` new tokens) starts; 20 ms later a short one arrives
+   (16-token prompt, `--short` new tokens): ms from the short one's arrival until each is done.
+2. Load: `--requests` requests arrive `--gap-ms` apart (prompts of 8..32 tokens, 16/64/32/128
+   new tokens in turn): the time until all are done, generated tokens per second over it, and
+   the median time from a request's arrival to its last token.
+
+Medians over `--trials`, schedules interleaved. The scheduler is ticked directly, as the server
+does between requests (no HTTP), so the figures are the scheduling alone.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import threading
 import time
+from typing import Any
 
 import torch
 
@@ -30,40 +34,53 @@ from looplm.bench import BENCH_S
 from looplm.config import load_recipe
 from looplm.generation import Engine, SamplingParams
 from looplm.model import build_model
-from looplm.serve import ServeLimits, _Row, _Worker
+from looplm.serve import Scheduler, ServeLimits, _Row
 
 
-SCHEDULES = {"static": dict(max_batches=1, max_batch=1), "in turn": dict(max_batch=1, max_batches=4),
+SCHEDULES = {"one at a time": dict(max_batches=1, max_batch=1), "in turn": dict(max_batch=1, max_batches=4),
              "continuous": dict(max_batch=8, max_batches=4)}
 
 
+def _row(prompt: list[int], new_tokens: int, finished: dict, name: Any) -> _Row:
+    def send(ev) -> None:
+        if isinstance(ev, Exception):
+            raise ev
+        if ev.finish_reason:
+            finished[name] = time.perf_counter()
+    return _Row(ids=prompt, params=SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False), send=send)
+
+
 def trial(engine: Engine, limits: dict, n_long: int, n_short: int) -> tuple[float, float]:
-    started, finished = threading.Event(), {}
-
-    def sender(name: str):
-        def send(ev) -> None:
-            if isinstance(ev, Exception):
-                raise ev
-            started.set()
-            if ev.finish_reason:
-                finished[name] = time.perf_counter()
-        return send
-
-    worker = _Worker(engine, ServeLimits(batch_window_ms=0, **limits))
-    try:
-        worker.inbox.put(_Row(ids=list(range(32)), send=sender("long"),
-                              params=SamplingParams(max_new_tokens=n_long, stop_at_eos=False)))
-        started.wait(60)
-        time.sleep(0.02)
-        t = time.perf_counter()
-        worker.inbox.put(_Row(ids=list(range(1, 17)), send=sender("short"),
-                              params=SamplingParams(max_new_tokens=n_short, stop_at_eos=False)))
-        deadline = time.monotonic() + 120
-        while len(finished) < 2 and time.monotonic() < deadline:
-            time.sleep(0.001)
-    finally:
-        worker.stop()
+    """(ms from the short request's arrival until it is done, and until the long one is)."""
+    sched, finished = Scheduler(engine, ServeLimits(**limits)), {}
+    sched.submit(_row(list(range(32)), n_long, finished, "long"))
+    t = time.perf_counter() + 0.02
+    while time.perf_counter() < t:           # the long one runs alone for 20 ms
+        sched.tick()
+    t = time.perf_counter()
+    sched.submit(_row(list(range(1, 17)), n_short, finished, "short"))
+    while sched.busy:
+        sched.tick()
     return (finished["short"] - t) * 1e3, (finished["long"] - t) * 1e3
+
+
+def load_trial(engine: Engine, limits: dict, n: int, gap_ms: float) -> tuple[float, float, float]:
+    """(ms until all n requests are done, generated tokens/s over that time, median ms per request)."""
+    sched, finished, arrived = Scheduler(engine, ServeLimits(max_concurrent=n, **limits)), {}, {}
+    lengths = [(16, 64, 32, 128)[i % 4] for i in range(n)]
+    t0, i = time.perf_counter(), 0
+    while i < n or sched.busy:
+        now = time.perf_counter()
+        while i < n and now >= t0 + i * gap_ms / 1000:          # the requests that have arrived
+            arrived[i] = now
+            sched.submit(_row([(7 * i + j) % 4096 for j in range(8 + 7 * i % 25)], lengths[i], finished, i))
+            i += 1
+        if sched.busy:
+            sched.tick()
+        elif i < n:
+            time.sleep(max(0.0, t0 + i * gap_ms / 1000 - time.perf_counter()))
+    span = max(finished.values()) - t0
+    return span * 1e3, sum(lengths) / span, statistics.median((finished[i] - arrived[i]) * 1e3 for i in range(n))
 
 
 def main() -> None:
@@ -72,19 +89,30 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--long", type=int, default=200)
     ap.add_argument("--short", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--gap-ms", type=float, default=15.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     engine = Engine(build_model(load_recipe("quickstart", overrides=BENCH_S)).eval(), None)
-    print(f"bench-s, {args.threads} thread(s): a {args.short}-token request arriving 20 ms into a "
-          f"{args.long}-token one; ms from its arrival, median of {args.trials}")
+    print(f"bench-s, {args.threads} thread(s), median of {args.trials}")
+    print(f"1. a {args.short}-token request arriving 20 ms into a {args.long}-token one (ms from its arrival)")
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in SCHEDULES}
     for _ in range(args.trials):               # interleaved, so load from elsewhere hits all alike
         for name, limits in SCHEDULES.items():
             results[name].append(trial(engine, limits, args.long, args.short))
     for name, runs in results.items():
-        print(f"{name:>12}: short done after {statistics.median(r[0] for r in runs):6.0f} ms, "
+        print(f"{name:>14}: short done after {statistics.median(r[0] for r in runs):6.0f} ms, "
               f"long after {statistics.median(r[1] for r in runs):6.0f} ms")
+    print(f"2. {args.requests} requests arriving {args.gap_ms:g} ms apart")
+    load: dict[str, list[tuple[float, float, float]]] = {name: [] for name in SCHEDULES}
+    for _ in range(args.trials):
+        for name, limits in SCHEDULES.items():
+            load[name].append(load_trial(engine, limits, args.requests, args.gap_ms))
+    for name, runs in load.items():
+        print(f"{name:>14}: all done after {statistics.median(r[0] for r in runs):6.0f} ms, "
+              f"{statistics.median(r[1] for r in runs):6.0f} tok/s, "
+              f"median request {statistics.median(r[2] for r in runs):6.0f} ms")
 
 if __name__ == "__main__":
     main()

@@ -8,14 +8,16 @@ a prompt longer than the limits or the context): the reply is a 4xx with an Open
 `{"error": {"message", "type", "param", "code"}}` body, and the server keeps serving. More
 requests in flight than `max_concurrent` get 429.
 
-Concurrency. One worker thread owns the model and keeps up to `max_batches` batches of the
-engine running (each with its own cache, rows left-padded; each row samples with its own
-parameters and seeded generator, so a request's output does not depend on its batch mates).
-It advances them one decode step each in turn. A waiting prompt takes a free row of a running
-batch (each has `max_batch` rows) when it fits there (continuous batching: its prompt must fit
-in the columns that batch has used so far, its tokens in the rest of the context), else it
-starts a new batch with other waiting prompts (when the server was idle, it first waits up to
-`batch_window_ms` for them), else it waits. So a short request is not held behind a long one.
+Concurrency. A `Scheduler` keeps up to `max_batches` batches of the engine running (each with
+its own cache, rows left-padded; each row samples with its own parameters and seeded generator,
+so a request's output does not depend on its batch mates) and advances them one decode step
+each in turn. A waiting prompt takes a free row of a running batch (each has `max_batch` rows)
+when it fits there (continuous batching: its prompt must fit in the columns that batch has used
+so far, its tokens in the rest of the context), else it starts a new batch with other waiting
+prompts, else it waits. So a short request is not held behind a long one. The server ticks the
+scheduler on its event loop between requests (when it was idle, it first waits
+`batch_window_ms` for prompts to arrive together): every torch call happens on that one thread,
+because CPU thread teams started from two threads compete and make decoding ~2.5x slower.
 Tokens flow back to each request through its own queue as they are sampled, which is what
 `stream: true` sends as server-sent events. A row whose client has gone away (a closed stream)
 stops at the next step and frees its place. Each batch's cache holds `max_batch` rows of the
@@ -30,8 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
-import threading
 import time
 import uuid
 from collections import deque
@@ -59,7 +59,7 @@ class ServeLimits:
     max_batches: int = 4
     """Batches running at once, advanced one decode step each in turn."""
     batch_window_ms: float = 5.0
-    """How long the worker waits for more prompts before starting a batch."""
+    """How long an idle server waits for more prompts before starting a batch."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:
@@ -73,78 +73,61 @@ class ServeLimits:
 
 @dataclass
 class _Row:
-    """One prompt of one request, as the worker sees it."""
+    """One prompt of one request, as the scheduler sees it."""
 
     ids: list[int]
     params: SamplingParams
-    send: Any          # called (from the worker thread) with a TokenEvent or an Exception
+    send: Any          # called with each TokenEvent of the row, or an Exception
     cancelled: bool = False
     """Set by the request when nobody reads the row any more (the client went away)."""
 
 
-class _Worker:
-    """The thread that owns the model and runs batches."""
+class Scheduler:
+    """The running batches and the prompts waiting for a place. No threads: whoever owns the
+    model calls `tick()` (the server: on its event loop; see the module docstring for why)."""
 
     def __init__(self, engine: Engine, limits: ServeLimits):
         self.engine, self.limits = engine, limits
-        self.inbox: queue.Queue[_Row] = queue.Queue()
+        self.waiting: deque[_Row] = deque()
+        self.running: list[_Batch] = []
         self.in_flight = 0
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="looplm-worker", daemon=True)
-        self.thread.start()
 
     def try_reserve(self, n: int) -> bool:
-        with self.lock:
-            if self.in_flight + n > self.limits.max_concurrent:
-                return False
-            self.in_flight += n
-            return True
+        """Count n more prompts in flight, unless that exceeds `max_concurrent`."""
+        if self.in_flight + n > self.limits.max_concurrent:
+            return False
+        self.in_flight += n
+        return True
 
     def release(self, n: int) -> None:
-        with self.lock:
-            self.in_flight -= n
+        self.in_flight -= n
 
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=10)
+    def submit(self, row: _Row) -> None:
+        self.waiting.append(row)
 
-    def _collect(self, waiting: deque[_Row], idle: bool) -> None:
-        """Move new prompts to `waiting`. When idle, block briefly for the first and give others
-        `batch_window_ms` to arrive with it; while batches run, take only what is already here."""
-        try:
-            waiting.append(self.inbox.get(timeout=0.1) if idle else self.inbox.get_nowait())
-        except queue.Empty:
-            return
-        deadline = time.monotonic() + (self.limits.batch_window_ms / 1000 if idle else 0)
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                waiting.append(self.inbox.get(timeout=left) if left > 0 else self.inbox.get_nowait())
-            except queue.Empty:
-                return
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
 
-    def _loop(self) -> None:
+    def tick(self) -> None:
+        """Place waiting prompts (a free row of a running batch, else a new batch, else they
+        wait), then advance every running batch by one decode step."""
         max_batch = 1 if self.engine.speculative else self.limits.max_batch
-        running: list[_Batch] = []
-        waiting: deque[_Row] = deque()
-        while not self.stopping.is_set():
-            self._collect(waiting, idle=not running and not waiting)
-            while waiting:           # a free row of a running batch, else a new batch, else wait
-                if waiting[0].cancelled:
-                    waiting.popleft()
-                elif any(b.join(waiting[0]) for b in running):
-                    waiting.popleft()
-                elif len(running) < self.limits.max_batches:
-                    group = [waiting.popleft() for _ in range(min(max_batch, len(waiting)))]
-                    running.append(_Batch(group, self.engine, max_batch))
-                else:
-                    break
-            running = [b for b in running if b.step()]
+        while self.waiting:
+            if self.waiting[0].cancelled:
+                self.waiting.popleft()
+            elif any(b.join(self.waiting[0]) for b in self.running):
+                self.waiting.popleft()
+            elif len(self.running) < self.limits.max_batches:
+                group = [self.waiting.popleft() for _ in range(min(max_batch, len(self.waiting)))]
+                self.running.append(_Batch(group, self.engine, max_batch))
+            else:
+                break
+        self.running = [b for b in self.running if b.step()]
 
 
 class _Batch:
-    """One engine batch in the worker (its own cache): engine row -> the request row it serves."""
+    """One engine batch of the scheduler (its own cache): engine row -> the request row it serves."""
 
     def __init__(self, rows: list[_Row], engine: Engine, capacity: int):
         self.rows = dict(enumerate(rows))
@@ -242,13 +225,24 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
     max_prompt = limits.max_prompt_tokens or ctx - 1
     created = int(time.time())
 
-    state: dict[str, Any] = {}
+    sched = Scheduler(engine, limits)
+    wake = asyncio.Event()
+
+    async def decode_loop() -> None:
+        """Tick the scheduler between the event loop's other work (requests, streams)."""
+        while True:
+            if not sched.busy:
+                await wake.wait()
+                wake.clear()
+                await asyncio.sleep(limits.batch_window_ms / 1000)   # let concurrent prompts arrive together
+            sched.tick()
+            await asyncio.sleep(0)
 
     @asynccontextmanager
     async def lifespan(app: Any):
-        state["worker"] = _Worker(engine, limits)
+        task = asyncio.create_task(decode_loop())
         yield
-        state["worker"].stop()
+        task.cancel()
 
     app = FastAPI(title="looplm", lifespan=lifespan)
 
@@ -303,23 +297,22 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         except UserError as err:
             field = str(err).split(" ")[0]
             return _error(400, str(err), field)
-        worker: _Worker = state["worker"]
-        if not worker.try_reserve(len(ids_list)):
+        if not sched.try_reserve(len(ids_list)):
             return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
                           None, "rate_limit_error")
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         mine = []
         for i, ids in enumerate(ids_list):
             def send(ev: Any, i: int = i) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                events.put_nowait((i, ev))
             mine.append(_Row(ids=ids, params=params, send=send))
-            worker.inbox.put(mine[-1])
+            sched.submit(mine[-1])
+        wake.set()
         rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
         n_rows = len(ids_list)
 
         async def rows() -> Any:
-            """(choice index, TokenEvent) until every row finished; raises the worker's error."""
+            """(choice index, TokenEvent) until every row finished; raises the engine's error."""
             left = n_rows
             try:
                 while left:
@@ -329,10 +322,10 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                     if ev.finish_reason:
                         left -= 1
                     yield i, ev
-            finally:                 # done, or the client went away: the worker may stop these rows
+            finally:                 # done, or the client went away: the scheduler may stop these rows
                 for r in mine:
                     r.cancelled = True
-                worker.release(n_rows)
+                sched.release(n_rows)
 
         def chunk(i: int, text: str, reason: str | None) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,

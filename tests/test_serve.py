@@ -179,113 +179,85 @@ def test_too_many_requests_get_429_and_the_rest_succeed(server):
     assert post(server, {"prompt": "after", "max_tokens": 2}).status_code == 200
 
 
-def test_a_short_request_is_not_held_behind_a_long_one():
-    """Prompts that arrive while a batch runs start their own batch, advanced in turn with it."""
-    import threading
 
-    from looplm.generation import Engine, SamplingParams
-    from looplm.serve import ServeLimits, _Row, _Worker
+def _scheduler(**limits):
+    from looplm.generation import Engine
+    from looplm.serve import Scheduler, ServeLimits
 
     torch.manual_seed(0)
     model = looplm.build_model(looplm.load_recipe("quickstart", overrides={**TINY, "model.context": 128})).eval()
     engine = Engine(model, ByteTokenizer())
-    long_p = SamplingParams(max_new_tokens=100, stop_at_eos=False)
-    short_p = SamplingParams(max_new_tokens=3, stop_at_eos=False)
-    log: list[tuple[str, int, bool]] = []             # (request, token, last) in the order the worker sent them
-    started = threading.Event()
-
-    def sender(name: str):
-        def send(ev):
-            assert not isinstance(ev, Exception), ev
-            log.append((name, ev.token, ev.finish_reason is not None))
-            started.set()
-        return send
-
-    worker = _Worker(engine, ServeLimits(max_batches=2, batch_window_ms=0))
-    try:
-        worker.inbox.put(_Row(ids=list(b"a long one"), params=long_p, send=sender("long")))
-        assert started.wait(30)
-        worker.inbox.put(_Row(ids=list(b"short"), params=short_p, send=sender("short")))
-        deadline = time.monotonic() + 60
-        while sum(last for _, _, last in log) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        worker.stop()
-    finished = [name for name, _, last in log if last]
-    assert finished == ["short", "long"]
-    short_tokens = [tok for name, tok, _ in log if name == "short"]
-    long_tokens = [tok for name, tok, _ in log if name == "long"]
-    assert short_tokens == engine.generate([list(b"short")], short_p)[0].tokens     # interleaving changes nothing
-    assert long_tokens == engine.generate([list(b"a long one")], long_p)[0].tokens
+    return engine, Scheduler(engine, ServeLimits(**limits))
 
 
-def test_a_batch_whose_client_went_away_stops():
-    from looplm.generation import Engine, SamplingParams
-    from looplm.serve import ServeLimits, _Row, _Worker
-
-    torch.manual_seed(0)
-    engine = Engine(looplm.build_model(looplm.load_recipe("quickstart", overrides=TINY)).eval(), ByteTokenizer())
-    got, after = [], []
-    row = _Row(ids=list(b"gone"), params=SamplingParams(max_new_tokens=50, stop_at_eos=False), send=None)
+def _submit(sched, log, name, prompt, sp):
+    """Queue one prompt whose events are logged as (name, token, last)."""
+    from looplm.serve import _Row
 
     def send(ev):
-        got.append(ev)
-        row.cancelled = True               # the client reads one token and leaves
-
-    row.send = send
-    worker = _Worker(engine, ServeLimits(batch_window_ms=0))
-    try:
-        worker.inbox.put(row)
-        deadline = time.monotonic() + 30
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.001)
-        worker.inbox.put(_Row(ids=list(b"next"), params=SamplingParams(max_new_tokens=4, stop_at_eos=False),
-                              send=after.append))
-        while not (after and after[-1].finish_reason) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        worker.stop()
-    assert len(got) == 1                     # no token computed for a row nobody reads
-    assert [ev.token for ev in after] == engine.generate([list(b"next")], SamplingParams(
-        max_new_tokens=4, stop_at_eos=False))[0].tokens
+        assert not isinstance(ev, Exception), ev
+        log.append((name, ev.token, ev.finish_reason is not None))
+    row = _Row(ids=list(prompt), params=sp, send=send)
+    sched.submit(row)
+    return row
 
 
-def test_a_new_request_takes_a_finished_rows_place_in_a_running_batch():
+def _run(sched, log, until, limit=1000):
+    for _ in range(limit):
+        if until():
+            return
+        sched.tick()
+    raise AssertionError("the scheduler did not get there")
+
+
+def test_a_short_request_is_not_held_behind_a_long_one():
+    """With batches of one row, a prompt that arrives while a batch runs starts its own batch,
+    advanced in turn with it."""
+    from looplm.generation import SamplingParams
+
+    engine, sched = _scheduler(max_batch=1, max_batches=2)
+    long_p = SamplingParams(max_new_tokens=100, stop_at_eos=False)
+    short_p = SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    log: list[tuple[str, int, bool]] = []
+    _submit(sched, log, "long", b"a long one", long_p)
+    sched.tick()                                       # the long one's prefill and first token
+    _submit(sched, log, "short", b"short", short_p)
+    _run(sched, log, lambda: not sched.busy)
+    assert [name for name, _, last in log if last] == ["short", "long"]
+    assert [t for n, t, _ in log if n == "short"] == engine.generate([list(b"short")], short_p)[0].tokens
+    assert [t for n, t, _ in log if n == "long"] == engine.generate([list(b"a long one")], long_p)[0].tokens
+
+
+def test_a_row_whose_client_went_away_stops():
+    from looplm.generation import SamplingParams
+
+    engine, sched = _scheduler()
+    log: list[tuple[str, int, bool]] = []
+    gone = _submit(sched, log, "gone", b"gone", SamplingParams(max_new_tokens=50, stop_at_eos=False))
+    stay = SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    _submit(sched, log, "stay", b"stay", stay)
+    sched.tick()                                       # both rows' first tokens
+    gone.cancelled = True                              # the client of "gone" reads one token and leaves
+    _run(sched, log, lambda: not sched.busy)
+    assert [n for n, _, _ in log].count("gone") == 1  # no token computed for a row nobody reads
+    assert [t for n, t, _ in log if n == "stay"] == engine.generate([list(b"stay")], stay)[0].tokens
+
+
+def test_a_new_request_takes_a_free_row_of_a_running_batch():
     """Continuous batching: with room for one batch only, a request that arrives after a short
     batch mate finished joins the running batch instead of waiting for the long row to end."""
-    import threading
+    from looplm.generation import SamplingParams
 
-    from looplm.generation import Engine, SamplingParams
-    from looplm.serve import ServeLimits, _Row, _Worker
-
-    torch.manual_seed(0)
-    model = looplm.build_model(looplm.load_recipe("quickstart", overrides={**TINY, "model.context": 128})).eval()
-    engine = Engine(model, ByteTokenizer())
+    engine, sched = _scheduler(max_batches=1, max_batch=2)
     jobs = {"long": (b"a long one", SamplingParams(max_new_tokens=100, stop_at_eos=False)),
             "short": (b"short", SamplingParams(max_new_tokens=2, stop_at_eos=False)),
             "late": (b"late", SamplingParams(max_new_tokens=5, temperature=0.9, seed=4, stop_at_eos=False))}
     log: list[tuple[str, int, bool]] = []
-    short_done = threading.Event()
-
-    def sender(name: str):
-        def send(ev):
-            assert not isinstance(ev, Exception), ev
-            log.append((name, ev.token, ev.finish_reason is not None))
-            if name == "short" and ev.finish_reason:
-                short_done.set()
-        return send
-
-    worker = _Worker(engine, ServeLimits(max_batches=1, max_batch=2, batch_window_ms=200))
-    try:
-        for name in ("long", "short"):
-            worker.inbox.put(_Row(ids=list(jobs[name][0]), params=jobs[name][1], send=sender(name)))
-        assert short_done.wait(30)
-        worker.inbox.put(_Row(ids=list(jobs["late"][0]), params=jobs["late"][1], send=sender("late")))
-        deadline = time.monotonic() + 60
-        while sum(last for _, _, last in log) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        worker.stop()
-    assert [name for name, _, last in log if last] == ["short", "late", "long"]
+    for name in ("long", "short"):
+        _submit(sched, log, name, *jobs[name])
+    _run(sched, log, lambda: any(n == "short" and last for n, _, last in log))
+    _submit(sched, log, "late", *jobs["late"])
+    _run(sched, log, lambda: not sched.busy)
+    assert len(sched.running) == 0 and [name for name, _, last in log if last] == ["short", "late", "long"]
     for name, (prompt, sp) in jobs.items():
-        assert [tok for n, tok, _ in log if n == name] == engine.generate([list(prompt)], sp)[0].tokens, name
+        assert [t for n, t, _ in log if n == name] == engine.generate([list(prompt)], sp)[0].tokens, name
