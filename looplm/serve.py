@@ -125,6 +125,14 @@ class Scheduler:
                 break
         self.running = [b for b in self.running if b.step()]
 
+    def fail_all(self, err: Exception) -> None:
+        """Send `err` to every waiting and running row and drop them."""
+        rows = list(self.waiting) + [r for b in self.running for r in b.rows.values()]
+        self.waiting.clear()
+        self.running = []
+        for r in rows:
+            r.send(err)
+
 
 class _Batch:
     """One engine batch of the scheduler (its own cache): engine row -> the request row it serves."""
@@ -235,7 +243,10 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                 await wake.wait()
                 wake.clear()
                 await asyncio.sleep(limits.batch_window_ms / 1000)   # let concurrent prompts arrive together
-            sched.tick()
+            try:
+                sched.tick()
+            except Exception as err:   # a bug outside any one batch: fail what is in flight, keep serving
+                sched.fail_all(err)
             await asyncio.sleep(0)
 
     @asynccontextmanager
