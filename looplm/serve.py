@@ -16,8 +16,9 @@ when it fits there (continuous batching: its prompt must fit in the columns that
 so far, its tokens in the rest of the context), else it starts a new batch with other waiting
 prompts, else it waits. So a short request is not held behind a long one. The server ticks the
 scheduler on its event loop between requests (when it was idle, it first waits
-`batch_window_ms` for prompts to arrive together): every torch call happens on that one thread,
-because CPU thread teams started from two threads compete and make decoding ~2.5x slower.
+`batch_window_ms` for prompts to arrive together), so every torch call happens on that one
+thread: once two threads of a process have run torch ops, their CPU thread teams compete and
+decoding gets ~2.5x slower (a worker thread is fast only while no other thread touches torch).
 Tokens flow back to each request through its own queue as they are sampled, which is what
 `stream: true` sends as server-sent events. A row whose client has gone away (a closed stream)
 stops at the next step and frees its place. Each batch's cache holds `max_batch` rows of the
