@@ -409,17 +409,17 @@ class Engine:
 
 
 class DecodeBatch:
-    """Rows decoded together, one step at a time; a new prompt can take a finished row's place.
+    """Rows decoded together, one step at a time; a new prompt can take a free row.
 
     `step()` returns the next token of every running row as TokenEvents (the first call runs the
     prefill); rows that finished (eos, a stop string, their max_new_tokens) are left out of later
-    steps. `join(prompt, params)` prefills a new prompt into a free row (a finished one, or one
-    of the `capacity` rows beyond the starting prompts), right-aligned so that
-    its prompt ends just before the column the running rows write next, and returns the row and
-    its first token's events, or None when no row is free or it does not fit (its prompt must fit
-    in the columns so far and its tokens in the rest). `Engine.stream` drives one batch to the
-    end; the server keeps several and lets new requests join them (continuous batching).
-    The engine's work runs in inference mode inside each call, never in the caller's code.
+    steps. `join(prompt, params)` prefills a new prompt into a free row (a finished one, or one of
+    the `capacity` rows beyond the starting prompts), right-aligned so that its prompt ends just
+    before the column the running rows write next, and returns the row and its first token's
+    events, or None when no row is free or it does not fit (its prompt must fit in the columns so
+    far and its tokens in the rest). `Engine.stream` drives one batch to the end; the server keeps
+    several and lets new requests join them (continuous batching). The engine's work runs in
+    inference mode inside each call, never in the caller's code.
     """
 
     def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
@@ -476,7 +476,7 @@ class DecodeBatch:
 
     def join(self, prompt: str | Sequence[int], params: SamplingParams | None = None
              ) -> tuple[int, list[TokenEvent]] | None:
-        """Prefill a new prompt into a finished row; (row, its first token's events), or None."""
+        """Prefill a new prompt into a free row; (row, its first token's events), or None."""
         e = self.engine
         (ids,), (sp,) = e._prepare([prompt], params)
         free = [b for b in range(self.B) if self.done[b]]
@@ -494,14 +494,8 @@ class DecodeBatch:
             self.sampler.set_row(b, sp, ids)
             self.texts[b] = RowText(e.tokenizer, sp.stop, self.deltas)
             self.done[b], self.n_out[b] = False, 0
-            rows = torch.tensor([b], device=self.idx.device)
             idx = torch.tensor([ids], dtype=torch.long, device=self.idx.device)
-            if e.adaptive and e.policy.exit_in_prefill:      # prompt tokens may exit: one column at a time
-                for c in range(len(ids)):
-                    logits, used = e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill",
-                                               noise=self.noise, rows=rows)
-            else:
-                logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows)
+            logits, used = self._run_prompt(idx, start, torch.tensor([b], device=self.idx.device))
             self._sampled(logits, used, [b])
             return b, self._emit([b])
 
@@ -512,15 +506,21 @@ class DecodeBatch:
             self._maybe_finish()
 
     # -- inside ---------------------------------------------------------------------------
+    def _run_prompt(self, idx: Tensor, start: int, rows: Tensor | None) -> tuple[Tensor, Tensor | int]:
+        """Prompt tokens idx (rows, T) at columns start..start+T: one chunk, or column by column
+        when prompt tokens may exit."""
+        e = self.engine
+        if not (e.adaptive and e.policy.exit_in_prefill):
+            return e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows)
+        for c in range(idx.shape[1]):
+            logits, used = e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill", noise=self.noise,
+                                       rows=rows)
+        return logits, used
+
     def _prefill(self) -> None:
-        e, t0 = self.engine, time.perf_counter()
+        t0 = time.perf_counter()
         rows = None if self.n_start == self.B else torch.arange(self.n_start, device=self.idx.device)
-        if e.adaptive and e.policy.exit_in_prefill:          # prompt tokens may exit: one column at a time
-            for c in range(self.idx.shape[1]):
-                logits, used = e.run_chunk(self.idx[:, c:c + 1], c, self.cache, phase="prefill", noise=self.noise,
-                                           rows=rows)
-        else:
-            logits, used = e.run_chunk(self.idx, 0, self.cache, phase="prefill", noise=self.noise, rows=rows)
+        logits, used = self._run_prompt(self.idx, 0, rows)
         self._sampled(logits, used, list(range(self.n_start)))
         t1 = time.perf_counter()
         self.stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0,
