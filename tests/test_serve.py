@@ -261,3 +261,24 @@ def test_a_new_request_takes_a_free_row_of_a_running_batch():
     assert len(sched.running) == 0 and [name for name, _, last in log if last] == ["short", "late", "long"]
     for name, (prompt, sp) in jobs.items():
         assert [t for n, t, _ in log if n == name] == engine.generate([list(prompt)], sp)[0].tokens, name
+
+
+def test_clients_that_leave_mid_stream_do_not_disturb_the_others(server):
+    bodies = [{"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 8 + 5 * i, "temperature": 0.7 * (i % 2),
+               "seed": i} for i in range(MAX_CONCURRENT)]
+    alone = [post(server, b).json()["choices"][0]["text"] for b in bodies]
+
+    def client(i):
+        if i % 3 == 0:                              # read two events of a stream, then hang up
+            with httpx.stream("POST", f"{server['base']}/v1/completions", json={**bodies[i], "stream": True},
+                              timeout=60) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 2:
+                        break
+            return None
+        return post(server, bodies[i]).json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(client, range(len(bodies))))
+    assert [g for g in got if g is not None] == [a for a, g in zip(alone, got) if g is not None]
+    assert post(server, bodies[1]).json()["choices"][0]["text"] == alone[1]      # still serving, same answer
