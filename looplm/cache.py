@@ -105,9 +105,8 @@ class LoopKVCache:
         self.n_core = cfg.n_core
         # first column of each row (left padding); pad columns are never attended to by real tokens
         self.pad = torch.zeros(batch, dtype=torch.long, device=device) if pad is None else pad.to(device)
-        self.padded = bool((self.pad > 0).any())
         self._pads = self.pad.tolist()
-        self.chunk_padded = self.padded      # whether the current chunk's rows have pad columns
+        self.chunk_padded = any(self._pads)  # whether the current chunk's rows have pad columns
         cols = torch.arange(length, device=device)
         self._valid = (cols[None, :] >= self.pad[:, None]).view(batch, 1, 1, length)   # (B, 1, 1, L)
         # rounds each column's token ran (mask mode only); "in progress" columns count as all rounds
@@ -171,7 +170,6 @@ class LoopKVCache:
         self.pad[row] = pad
         self._pads[row] = pad
         self._valid[row] = (torch.arange(self.length, device=self.pad.device) >= pad).view(1, 1, -1)
-        self.padded = any(self._pads)
 
     def _mask(self, kind: str, r: int) -> Tensor | None:
         if kind != "core" or not self._holes:
