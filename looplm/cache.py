@@ -263,10 +263,10 @@ class LoopKVCache:
     def _row_groups(ru: Tensor, rows: list[int] | None) -> list[tuple[Any, int]]:
         """(row index or slice, rounds) pairs for the chunk's rows (None = all): one group when
         they all ran the same rounds."""
-        picked = ru if rows is None else ru[rows]
-        if rows is None and bool((picked == picked[0]).all()):
-            return [(slice(None), int(picked[0]))]
-        return [(b, int(ru[b])) for b in (range(len(ru)) if rows is None else rows)]
+        n = ru.tolist()
+        if rows is None and all(x == n[0] for x in n):
+            return [(slice(None), n[0])]
+        return [(b, n[b]) for b in (range(len(n)) if rows is None else rows)]
 
     @staticmethod
     def _reduce(per_round: Tensor, policy: str) -> Tensor:
