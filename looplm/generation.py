@@ -265,8 +265,8 @@ class Engine:
         rope = k.rope(start, T, positions)
         e = k.encode(idx, rope, cache)                                          # (B, T, d)
         if noise is not None:
-            noise = noise if rows is None else noise[rows]
-            s = noise[:, start:start + T] if positions is None else noise[torch.arange(B)[:, None], positions]
+            r = torch.arange(B) if rows is None else rows                              # (B,) table rows
+            s = noise[r, start:start + T] if positions is None else noise[r[:, None], positions]   # (B, T, d)
         else:
             s = m.initial_state(e)
         exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
