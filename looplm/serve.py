@@ -18,7 +18,8 @@ prompts, else it waits. So a short request is not held behind a long one. The se
 scheduler on its event loop between requests (when it was idle, it first waits
 `batch_window_ms` for prompts to arrive together), so every torch call happens on that one
 thread: once two threads of a process have run torch ops, their CPU thread teams compete and
-decoding gets ~2.5x slower (a worker thread is fast only while no other thread touches torch).
+decoding gets 2.5-3x slower (benchmarks/two_threads.py; a worker thread is fast only while no
+other thread touches torch).
 Tokens flow back to each request through its own queue as they are sampled, which is what
 `stream: true` sends as server-sent events. A row whose client has gone away (a closed stream)
 stops at the next step and frees its place. Each batch's cache holds `max_batch` rows of the
