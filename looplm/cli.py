@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit", help="exit policy: fixed:R, quantile:Q, entropy:TAU or kl:EPS (default: the recipe's)")
     _cache_args(g)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (slow reference)")
-    g.add_argument("--speculative", metavar="ROUNDS:K", help="draft K tokens with ROUNDS rounds, verify at full depth")
+    g.add_argument("--speculative", metavar="ROUNDS:K",
+                   help="draft K tokens with ROUNDS rounds (exit:K: drafts stop by --exit), verify at full depth")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (1 = off)")

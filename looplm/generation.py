@@ -23,11 +23,13 @@ position and seeded by the request seed, so cached, batched and token-by-token d
 the same noise and one seed reproduces one output.
 
 Self-speculative decoding (`speculative="ROUNDS:K"`, batch 1): K tokens are drafted with ROUNDS
-rounds reading the full-depth history, then the pending token and the K drafts are verified at
-full depth as one chunk, which overwrites every cache entry the drafts wrote. The accepted prefix
-plus the verifier's own token are kept and the cache is trimmed to them. Greedy output equals
-plain greedy decoding; with temperature, standard speculative sampling (accept with
-min(1, p/q), else resample from max(p - q, 0)) keeps the target distribution.
+rounds reading the full-depth history (or, with `"exit:K"`, each draft stops at the round the
+exit policy picks, its skipped rounds filled or masked like any early exit), then the pending
+token and the K drafts are verified at full depth as one chunk, which overwrites every cache
+entry the drafts wrote. The accepted prefix plus the verifier's own token are kept and the
+cache is trimmed to them. Greedy output equals plain full-depth greedy decoding; with
+temperature, standard speculative sampling (accept with min(1, p/q), else resample from
+max(p - q, 0)) keeps the target distribution.
 
 Speed. The model's math runs through `Kernels` (kernels.py): the same arithmetic as the
 model's modules (parity with `model(idx)` is tested) with fused q/k/v and gate/up matmuls,
@@ -74,7 +76,8 @@ class GenerationConfig:
     missing: str = "copy_forward"
     """Under full, what later rounds read for a token that exited early: copy_forward or mask."""
     speculative: str | None = None
-    """"ROUNDS:K": draft K tokens with ROUNDS rounds, verify at full depth (batch 1)."""
+    """"ROUNDS:K": draft K tokens with ROUNDS rounds, verify at full depth (batch 1); "exit:K":
+    the drafts stop by the exit policy (which then decides nothing else: the output is full-depth)."""
     min_rounds: int = 1
     """Exit policies never stop before this round."""
     exit_in_prefill: bool = False
@@ -137,12 +140,16 @@ class Engine:
         if self.policy.kind == "quantile" and model.gate is None:
             raise UserError(f"--exit {self.policy}: quantile needs a model trained with an exit gate (exit.gate)")
         self.adaptive = self.policy.kind != "fixed"
-        self.speculative: tuple[int, int] | None = None
+        self.speculative: tuple[int | None, int] | None = None    # (draft rounds or None: by the exit policy, K)
         if config.speculative:
             self.speculative = _parse_speculative(config.speculative, self.rounds)
-            if self.adaptive:
-                raise UserError(f"--speculative verifies at full depth; it cannot be combined with the early-exit "
-                                f"policy {self.policy} (from --exit or the recipe's exit.policy); pass --exit fixed")
+            if self.speculative[0] is None and not self.adaptive:
+                raise UserError(f"--speculative {config.speculative}: exit drafts stop by an early-exit policy; pass "
+                                f"--exit entropy:TAU, kl:EPS or quantile:Q (the output stays full-depth)")
+            if self.speculative[0] is not None and self.adaptive:
+                raise UserError(f"--speculative verifies at full depth; drafts of a fixed ROUNDS cannot be combined "
+                                f"with the early-exit policy {self.policy} (from --exit or the recipe's exit.policy); "
+                                f"pass --exit fixed, or draft with the policy: --speculative exit:K")
             if config.decode_cache != "full":
                 raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
         self.last_stats: dict[str, Any] = {}
@@ -347,15 +354,17 @@ class Engine:
         sampler = Sampler(plist, ids, self.cfg.vocab_size, dev)
         text = RowText(self.tokenizer, sp.stop, deltas)
         eos = getattr(self.tokenizer, "eos_id", None)
-        stats: dict[str, Any] = {"batch": 1, "rounds": R, "exit": str(self.policy),
+        stats: dict[str, Any] = {"batch": 1, "rounds": R, "exit": f"fixed:{R}",
                                  "prefill_cache": self.config.prefill_cache, "decode_cache": "full",
                                  "missing": self.config.missing, "cache_bytes": cache.nbytes(),
-                                 "speculative": {"draft_rounds": draft_rounds, "k": K, "drafted": 0, "accepted": 0}}
+                                 "speculative": {"draft_rounds": draft_rounds, "k": K, "drafted": 0, "accepted": 0,
+                                                 "draft_exit": None if draft_rounds else str(self.policy)}}
         spec = stats["speculative"]
         self.last_stats = stats
-        n_out = 0
+        n_out, draft_round_sum = 0, 0
         t0 = time.perf_counter()
-        logits, _ = self.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", noise=noise)
+        logits, _ = self.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
+                                   noise=noise)
         pending = int(sampler(logits)[0])
         t1 = time.perf_counter()
         stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=P / max(t1 - t0, 1e-9))
@@ -387,14 +396,18 @@ class Engine:
             q_list: list[Tensor | None] = []
             tok = pending
             for j in range(k):
-                lg, _ = self.run_chunk(torch.tensor([[tok]], device=dev), col + j, cache, rounds=draft_rounds,
-                                       noise=noise, commit=False)
+                x = torch.tensor([[tok]], device=dev)
+                if draft_rounds:
+                    lg, used = self.run_chunk(x, col + j, cache, rounds=draft_rounds, noise=noise, commit=False)
+                else:   # the policy's exit; commit fills (or masks) the rounds it skipped for the next draft
+                    lg, used = self.run_chunk(x, col + j, cache, noise=noise)
+                draft_round_sum += int(used) if isinstance(used, int) else int(used[0])
                 tok, q = sampler.pick(lg[0], drafts)
                 drafts.append(tok)
                 q_list.append(q)
             # verify pending + drafts at full depth in one chunk (overwrites the drafts' entries)
             chunk = torch.tensor([[pending] + drafts], device=dev)
-            lg, _ = self.run_chunk(chunk, col, cache, noise=noise, all_logits=True)
+            lg, _ = self.run_chunk(chunk, col, cache, rounds=R, noise=noise, all_logits=True)
             accepted, nxt = sampler.verify(lg[0], drafts, q_list)
             spec["drafted"] += k
             spec["accepted"] += accepted
@@ -404,6 +417,7 @@ class Engine:
         decode_s = time.perf_counter() - decode_start
         n_dec = max(n_out - 1, 0)
         spec["acceptance_rate"] = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
+        spec["draft_mean_rounds"] = draft_round_sum / spec["drafted"] if spec["drafted"] else 0.0
         stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=n_dec,
                      decode_tokens_per_s=n_dec / decode_s if n_dec else 0.0)
 
@@ -622,14 +636,16 @@ def _is_eos(sp: SamplingParams, eos: int | None, tok: int) -> bool:
     return sp.stop_at_eos and eos is not None and tok == eos
 
 
-def _parse_speculative(text: str, rounds: int) -> tuple[int, int]:
-    msg = f"--speculative {text!r}: expected ROUNDS:K with 1 <= ROUNDS <= {rounds} and 1 <= K <= 32, e.g. 1:4"
+def _parse_speculative(text: str, rounds: int) -> tuple[int | None, int]:
+    """"ROUNDS:K" -> (ROUNDS, K); "exit:K" -> (None, K): drafts stop by the exit policy."""
+    msg = (f"--speculative {text!r}: expected ROUNDS:K with 1 <= ROUNDS <= {rounds}, or exit:K (drafts stop by "
+           f"the --exit policy), and 1 <= K <= 32, e.g. 1:4")
     a, sep, b = str(text).partition(":")
     try:
-        d, k = int(a), int(b)
+        d, k = (None if a.strip() == "exit" else int(a)), int(b)
     except ValueError:
         raise UserError(msg) from None
-    if not sep or not 1 <= d <= rounds or not 1 <= k <= 32:
+    if not sep or (d is not None and not 1 <= d <= rounds) or not 1 <= k <= 32:
         raise UserError(msg)
     return d, k
 

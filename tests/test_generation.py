@@ -224,6 +224,44 @@ def test_speculative_greedy_equals_plain_greedy(model, spec):
         assert accepted == drafted
 
 
+@pytest.mark.parametrize("exit, missing, in_prefill", [
+    ("kl:0.1", "copy_forward", False), ("kl:0.3", "copy_forward", True), ("kl:0.3", "mask", False)])
+def test_speculative_exit_drafts_equal_plain_full_depth_greedy(model, exit, missing, in_prefill):
+    """Drafts stop by the exit policy at mixed rounds (the next draft reads the skipped rounds
+    filled or masked); verification at full depth makes the output plain 4-round greedy."""
+    plain = Engine(model, TOK, GenerationConfig(rounds=4))
+    fast = Engine(model, TOK, GenerationConfig(rounds=4, exit=exit, missing=missing, exit_in_prefill=in_prefill,
+                                               speculative="exit:4"))
+    params = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    drafted = accepted = draft_rounds = 0.0
+    for prompt in PROMPTS:
+        want = plain.generate([prompt], params)[0]
+        got = fast.generate([prompt], params)[0]
+        assert got.tokens == want.tokens and got.rounds_used == [4] * 20, (exit, prompt)
+        spec = got.stats["speculative"]
+        assert spec["draft_rounds"] is None and spec["draft_exit"] == exit and got.stats["exit"] == "fixed:4"
+        drafted += spec["drafted"]
+        accepted += spec["accepted"]
+        draft_rounds += spec["draft_mean_rounds"] * spec["drafted"]
+    assert 0 < accepted < drafted
+    assert 1 < draft_rounds / drafted < 4        # the drafts did stop at different rounds
+
+
+@pytest.mark.parametrize("min_rounds", [1, 2])
+def test_speculative_exit_drafts_that_always_stop_early_are_fixed_round_drafts(model, min_rounds):
+    """entropy:100 stops every draft at its first allowed round: the same drafts, acceptances
+    and tokens as drafting with that many rounds."""
+    by_exit = Engine(model, TOK, GenerationConfig(speculative="exit:3", exit="entropy:100", min_rounds=min_rounds))
+    fixed = Engine(model, TOK, GenerationConfig(speculative=f"{min_rounds}:3"))
+    for prompt in PROMPTS[:4]:
+        p = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7, stop_at_eos=False)
+        a, b = by_exit.generate([prompt], p)[0], fixed.generate([prompt], p)[0]
+        assert a.tokens == b.tokens
+        sa, sb = a.stats["speculative"], b.stats["speculative"]
+        assert (sa["drafted"], sa["accepted"]) == (sb["drafted"], sb["accepted"])
+        assert sa["draft_mean_rounds"] == sb["draft_mean_rounds"] == min_rounds
+
+
 def test_speculative_sampling_is_seeded_and_refuses_what_it_cannot_do(model):
     eng = Engine(model, TOK, GenerationConfig(speculative="1:3"))
     p = SamplingParams(max_new_tokens=15, temperature=0.9, top_p=0.95, seed=4, stop_at_eos=False)
@@ -235,6 +273,10 @@ def test_speculative_sampling_is_seeded_and_refuses_what_it_cannot_do(model):
         Engine(model, TOK, GenerationConfig(speculative="1:3", decode_cache="last"))
     with pytest.raises(UserError, match="ROUNDS:K"):
         Engine(model, TOK, GenerationConfig(speculative="9:3"))
+    with pytest.raises(UserError, match="early-exit policy"):      # exit drafts need a policy to stop by
+        Engine(model, TOK, GenerationConfig(speculative="exit:3"))
+    with pytest.raises(UserError, match="exit:K"):                 # fixed-round drafts and an exit policy
+        Engine(model, TOK, GenerationConfig(speculative="1:3", exit="kl:0.1"))
 
 
 def test_sampling_options(model):
@@ -391,7 +433,7 @@ def test_cli_generate_json(run_dir, capsys):
 
 
 @pytest.mark.parametrize("args", [
-    ["--decode-cache", "most"], ["--prefill-cache", "x"], ["--exit", "soon"], ["--speculative", "0:1"],
+    ["--decode-cache", "most"], ["--prefill-cache", "x"], ["--exit", "soon"], ["--speculative", "0:1"], ["--speculative", "exit:2"],
     ["--speculative", "1:2", "--exit", "kl:0.1"], ["--max-new-tokens", "500"], ["--temperature", "-1"],
     ["--no-cache", "--top-k", "3"], ["--missing-kv", "skip"], ["--top-p", "2"],
 ])
