@@ -7,7 +7,9 @@
                  so a single row's product reads the matrix on every core (a bmm over slices)
     several rows oneDNN's packed layout (`packed_weight`), 2-3x faster than MKL at 2..256 rows
 
-`mm` picks between them. benchmarks/matmul_rows.py times each path per matrix and row count.
+`mm` picks between them: the packed layout once a product has PACKED_MIN_MACS multiply-adds,
+the one-row layout below (small models, a few rows). benchmarks/matmul_rows.py times each path
+per matrix and row count (`--crossover` for the threshold).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def packed_weight(w: Tensor) -> Tensor | None:
 
 _W = tuple[Tensor, Tensor | None]    # a matrix for one row (see row_weight) and oneDNN-packed W or None
 
+PACKED_MIN_MACS = 1 << 20
+"""Several-row products smaller than this (rows x in x out multiply-adds) use the one-row layout:
+oneDNN's packed path costs ~13 us a call whatever the size, a bmm over per-thread slices less
+than that below about a million multiply-adds (`python benchmarks/matmul_rows.py --crossover`).
+A fixed rule, not a timing, so the same shapes always take the same path (the same numbers)."""
+
 
 def row_weight(w: Tensor, threads: int) -> Tensor:
     """W (out, in) laid out for one-row products: (in, out) contiguous, or with several threads
@@ -55,12 +63,13 @@ def row_weight(w: Tensor, threads: int) -> Tensor:
 
 
 def mm(x: Tensor, w: _W) -> Tensor:
-    """x (..., in) @ W^T -> (..., out). More rows: oneDNN's packed weights (2-3x faster than MKL's
-    sgemm for 2..256 rows on CPU); one row: a plain mm on the (in, out) copy, or a bmm over its
-    per-thread slices (their outputs, laid end to end, are the row's outputs in order)."""
+    """x (..., in) @ W^T -> (..., out). Several rows and at least PACKED_MIN_MACS multiply-adds:
+    oneDNN's packed weights (2-3x faster than MKL's sgemm for 2..256 rows on CPU); otherwise a
+    plain mm on the (in, out) copy, or a bmm over its per-thread slices (their outputs, laid end
+    to end, are each row's outputs in order)."""
     wr, packed = w
     x2 = x.reshape(-1, x.shape[-1])
-    if packed is not None and x2.shape[0] > 1:
+    if packed is not None and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
     elif wr.dim() == 3:
         P = wr.shape[0]

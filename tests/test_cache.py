@@ -44,8 +44,16 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("packed_from", [None, 0])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_full_cache_equals_full_forward_at_every_round_count(variant):
+def test_full_cache_equals_full_forward_at_every_round_count(variant, packed_from, monkeypatch):
+    """packed_from=0: every several-row product (the prompt, the two rows) goes through oneDNN's
+    packed weights, which these small matrices otherwise skip (kernels.PACKED_MIN_MACS)."""
+    import looplm.kernels as kernels
+    if packed_from is not None:
+        if kernels.packed_weight(torch.randn(4, 4)) is None:
+            pytest.skip("oneDNN packed weights are unavailable here")
+        monkeypatch.setattr(kernels, "PACKED_MIN_MACS", packed_from)
     model = tiny(**VARIANTS[variant])
     idx = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1))
     for rounds in (1, 2, 3, 4, 6):

@@ -470,6 +470,19 @@ def test_one_row_weight_layouts_compute_x_times_w_transposed(threads, rows):
     assert row_weight(torch.randn(7, 4), 4).shape == (4, 7)            # 7 do not split
 
 
+@pytest.mark.parametrize("rows", [2, 4, 64])
+def test_several_row_products_take_either_layout_by_size(rows):
+    """(out, in) = (512, 256): 2 and 4 rows stay under PACKED_MIN_MACS (the one-row layout),
+    64 rows cross it (oneDNN's packed weights); all equal x @ W^T."""
+    from looplm.kernels import PACKED_MIN_MACS, mm, packed_weight, row_weight
+    w = torch.randn(512, 256, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    assert (rows * w.numel() >= PACKED_MIN_MACS) == (rows == 64)
+    got = mm(x.view(1, rows, 256), (row_weight(w, 2), packed_weight(w)))
+    assert got.shape == (1, rows, 512)
+    assert torch.allclose(got[0], x @ w.t(), atol=1e-4)
+
+
 def test_a_new_thread_count_rebuilds_the_kernels():
     m = tiny()
     eng = Engine(m, TOK, GenerationConfig())
