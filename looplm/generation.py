@@ -256,14 +256,39 @@ class Engine:
     # -- one chunk through the model ------------------------------------------------------
     def run_chunk(self, idx: Tensor, start: int, cache: LoopKVCache, *, phase: str = "decode",
                   rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,
-                  commit: bool = True, rows: Tensor | None = None) -> tuple[Tensor, Tensor | int]:
+                  commit: bool = True, rows: Tensor | None = None,
+                  trace: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor | int]:
         """Run tokens idx (B, T) at cache columns [start, start+T). Returns (logits, rounds_used):
         logits (B, T, V) with all_logits else (B, V) at the last column; rounds_used an int, or (B,)
         when an exit policy decided per row. `rounds` forces a fixed depth (speculative drafts).
-        `rows`: the cache rows idx's rows belong to (default all; finished rows are left out)."""
+        `rows`: the cache rows idx's rows belong to (default all; finished rows are left out).
+        `trace` (fixed depth): gets (prelude output, state after the last round), both (B, T, d)."""
+        k = self._fast or self._kernels()
+        T = idx.shape[1]
+        cache.begin(start, T, phase, rows)
+        rope, e, s = self._chunk_inputs(idx, start, cache, noise, rows)
+        exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
+        if not exits:
+            R = rounds or self.rounds
+            s = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R).state
+            if trace is not None:
+                trace.append((e, s))
+            logits = k.readout(s, rope, cache, R, all_logits)
+            if commit:
+                cache.commit(R)
+            return logits, R
+        if T != 1:
+            raise ValueError("per-token exits run one column at a time")
+        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows)    # (cache rows, ...)
+        if commit:
+            cache.commit(used)
+        return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
+
+    def _chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
+                      rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
+        """After cache.begin: the chunk's RoPE tables, prelude output e and initial state, (B, T, d)."""
         m, k = self.model, self._fast or self._kernels()
         B, T = idx.shape
-        cache.begin(start, T, phase, rows)
         positions = None
         if cache.chunk_padded:                     # these rows have pad columns: positions per row
             cols = torch.arange(start, start + T, device=idx.device)
@@ -276,20 +301,29 @@ class Engine:
             s = noise[r, start:start + T] if positions is None else noise[r[:, None], positions]   # (B, T, d)
         else:
             s = m.initial_state(e)
-        exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
-        if not exits:
-            R = rounds or self.rounds
-            s = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R).state
-            logits = k.readout(s, rope, cache, R, all_logits)
-            if commit:
-                cache.commit(R)
-            return logits, R
-        if T != 1:
-            raise ValueError("per-token exits run one column at a time")
-        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows)    # (cache rows, ...)
-        if commit:
-            cache.commit(used)
-        return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
+        return rope, e, s
+
+    def _verify(self, cache: LoopKVCache, col: int, drafts: list[int],
+                trace: list[tuple[Tensor, Tensor]], d: int, noise: Tensor | None) -> Tensor:
+        """Full-depth logits (1, K+1, V) of pending + K drafts at columns col..col+K, reusing what
+        the drafts computed: draft j ran the token at column col+j through the prelude and rounds
+        1..d reading the same history plain decoding reads, so its prelude output and state after
+        round d (`trace`) are plain decoding's. Only the last draft's token (column col+K) runs
+        those; then rounds d+1..R and the coda run on all K+1 columns as one chunk."""
+        k, R, K = self._fast or self._kernels(), self.rounds, len(drafts)
+        last = torch.tensor([[drafts[-1]]], device=trace[0][0].device)
+        cache.begin(col + K, 1, "decode")
+        rope1, e1, s1 = self._chunk_inputs(last, col + K, cache, noise, None)
+        s1 = unroll(lambda s, r: k.core_step(s, e1, r, rope1, cache), s1, d).state
+        e = torch.cat([t[0] for t in trace[:K]] + [e1], 1)                      # (1, K+1, d)
+        s = torch.cat([t[1] for t in trace[:K]] + [s1], 1)
+        cache.begin(col, K + 1, "decode")
+        rope = k.rope(col, K + 1, None)
+        if d < R:
+            s = unroll(lambda s, r: k.core_step(s, e, d + r, rope, cache), s, R - d).state
+        logits = k.readout(s, rope, cache, R, True)
+        cache.commit(R)
+        return logits
 
     def _kernels(self) -> "Kernels":
         """The fused kernels, rebuilt when a model weight changed in place since they were made
@@ -394,20 +428,26 @@ class Engine:
             k = min(K, sp.max_new_tokens - n_out - 1, ctx - 1 - col)
             drafts: list[int] = []
             q_list: list[Tensor | None] = []
+            trace: list[tuple[Tensor, Tensor]] = []
             tok = pending
             for j in range(k):
                 x = torch.tensor([[tok]], device=dev)
                 if draft_rounds:
-                    lg, used = self.run_chunk(x, col + j, cache, rounds=draft_rounds, noise=noise, commit=False)
+                    lg, used = self.run_chunk(x, col + j, cache, rounds=draft_rounds, noise=noise, commit=False,
+                                              trace=trace)
                 else:   # the policy's exit; commit fills (or masks) the rounds it skipped for the next draft
                     lg, used = self.run_chunk(x, col + j, cache, noise=noise)
                 draft_round_sum += int(used) if isinstance(used, int) else int(used[0])
                 tok, q = sampler.pick(lg[0], drafts)
                 drafts.append(tok)
                 q_list.append(q)
-            # verify pending + drafts at full depth in one chunk (overwrites the drafts' entries)
-            chunk = torch.tensor([[pending] + drafts], device=dev)
-            lg, _ = self.run_chunk(chunk, col, cache, rounds=R, noise=noise, all_logits=True)
+            # verify pending + drafts at full depth (overwriting the drafts' entries): fixed-round
+            # drafts already ran rounds 1..d of the first k columns; exit drafts ran different ones
+            if draft_rounds and k:
+                lg = self._verify(cache, col, drafts, trace, draft_rounds, noise)
+            else:
+                chunk = torch.tensor([[pending] + drafts], device=dev)
+                lg, _ = self.run_chunk(chunk, col, cache, rounds=R, noise=noise, all_logits=True)
             accepted, nxt = sampler.verify(lg[0], drafts, q_list)
             spec["drafted"] += k
             spec["accepted"] += accepted

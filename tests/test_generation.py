@@ -224,6 +224,32 @@ def test_speculative_greedy_equals_plain_greedy(model, spec):
         assert accepted == drafted
 
 
+@pytest.mark.parametrize("d", [1, 2])
+def test_verification_reusing_the_drafts_rounds_equals_a_full_depth_chunk(model, d):
+    """Verification starts the drafted columns at round d+1 from the drafts' own states; its
+    logits equal running pending + drafts through every round as one chunk."""
+    import copy
+    eng = Engine(model, TOK, GenerationConfig(rounds=4))
+    prompt = torch.tensor([TOK.encode("The loop runs")])
+    P, K = prompt.shape[1], 3
+    noise = eng._noise([SamplingParams(seed=5)], next(model.parameters()))
+    cache = eng.new_cache(1, P + K + 1)
+    with torch.inference_mode():
+        eng.run_chunk(prompt, 0, cache, phase="prefill", noise=noise)
+        toks, trace = [7], []
+        for j in range(K):                                  # drafts of d rounds, as _speculative_events runs them
+            lg, _ = eng.run_chunk(torch.tensor([[toks[-1]]]), P + j, cache, rounds=d, noise=noise, commit=False,
+                                  trace=trace)
+            toks.append(int(lg[0].argmax()))
+        before = copy.deepcopy(cache)
+        reused = eng._verify(cache, P, toks[1:], trace, d, noise)
+        full, _ = eng.run_chunk(torch.tensor([toks]), P, before, rounds=4, noise=noise, all_logits=True)
+    assert reused.shape == full.shape == (1, K + 1, model.cfg.vocab_size)
+    assert (reused - full).abs().max().item() < 1e-5
+    for part in ("k_core", "v_core", "k_coda", "v_coda", "k_prelude"):       # the same cache afterwards
+        assert (getattr(cache, part) - getattr(before, part)).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("exit, missing, in_prefill", [
     ("kl:0.1", "copy_forward", False), ("kl:0.3", "copy_forward", True), ("kl:0.3", "mask", False)])
 def test_speculative_exit_drafts_equal_plain_full_depth_greedy(model, exit, missing, in_prefill):
