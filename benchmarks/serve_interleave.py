@@ -1,7 +1,7 @@
 """How `looplm serve`'s worker schedules requests, on bench-s: latency and throughput.
 
     python benchmarks/serve_interleave.py [--threads N] [--trials 5] [--long 200] [--short 8]
-                                          [--requests 24] [--gap-ms 15]
+                                          [--requests 24] [--gap-ms 15] [--big-prompt 224]
 
 Three schedules of the same worker:
 
@@ -15,6 +15,10 @@ Three schedules of the same worker:
 2. Load: `--requests` requests arrive `--gap-ms` apart (prompts of 8..32 tokens, 16/64/32/128
    new tokens in turn): the time until all are done, generated tokens per second over it, and
    the median time from a request's arrival to its last token.
+3. Chunked prefill (continuous schedule): a stream decodes; 10 ms in, 8 requests with
+   `--big-prompt`-token prompts arrive together. The longest gap between two of the stream's
+   tokens while they prefill, and their time to first token, with `prefill_chunk` 0 (the whole
+   prompt in one tick), 64 (the default), 32 and 16.
 
 Medians over `--trials`, schedules interleaved. The scheduler is ticked directly, as the server
 does between requests (no HTTP), so the figures are the scheduling alone.
@@ -83,6 +87,38 @@ def load_trial(engine: Engine, limits: dict, n: int, gap_ms: float) -> tuple[flo
     return span * 1e3, sum(lengths) / span, statistics.median((finished[i] - arrived[i]) * 1e3 for i in range(n))
 
 
+def stall_trial(engine: Engine, prefill_chunk: int, big: int) -> tuple[float, float]:
+    """(longest ms between two tokens of a running stream while 8 big prompts prefill, their
+    median ms from arrival to first token)."""
+    sched = Scheduler(engine, ServeLimits(prefill_chunk=prefill_chunk))
+    stamps: list[float] = []
+    first: dict[int, float] = {}
+
+    def stream(ev) -> None:
+        stamps.append(time.perf_counter())
+
+    def big_row(i: int) -> _Row:
+        def send(ev) -> None:
+            first.setdefault(i, time.perf_counter())
+        return _Row(ids=[(11 * i + j) % 4096 for j in range(big)],
+                    params=SamplingParams(max_new_tokens=4, stop_at_eos=False), send=send)
+    sched.submit(_Row(ids=list(range(8)), params=SamplingParams(max_new_tokens=200, stop_at_eos=False),
+                      send=stream))
+    t = time.perf_counter() + 0.01
+    while time.perf_counter() < t:
+        sched.tick()
+    arrived = time.perf_counter()
+    for i in range(8):
+        sched.submit(big_row(i))
+    while len(first) < 8:
+        sched.tick()
+    seen = len(stamps)
+    while len(stamps) == seen:               # the stream's next token after theirs: the last gap
+        sched.tick()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > arrived]
+    return max(gaps) * 1e3, statistics.median(t - arrived for t in first.values()) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -91,6 +127,7 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--gap-ms", type=float, default=15.0)
+    ap.add_argument("--big-prompt", type=int, default=224)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -113,6 +150,14 @@ def main() -> None:
         print(f"{name:>14}: all done after {statistics.median(r[0] for r in runs):6.0f} ms, "
               f"{statistics.median(r[1] for r in runs):6.0f} tok/s, "
               f"median request {statistics.median(r[2] for r in runs):6.0f} ms")
+    print(f"3. 8 prompts of {args.big_prompt} tokens arriving while a stream decodes (continuous)")
+    stalls: dict[int, list[tuple[float, float]]] = {0: [], 64: [], 32: [], 16: []}
+    for _ in range(args.trials):
+        for chunk in stalls:
+            stalls[chunk].append(stall_trial(engine, chunk, args.big_prompt))
+    for chunk, runs in stalls.items():
+        print(f"{f'prefill_chunk {chunk}':>17}: longest gap in the stream {statistics.median(r[0] for r in runs):6.1f} ms, "
+              f"their first token after {statistics.median(r[1] for r in runs):6.0f} ms")
 
 if __name__ == "__main__":
     main()

@@ -168,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     limits = ServeLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                          max_concurrent=args.max_concurrent, max_batch=args.max_batch,
-                         max_batches=args.max_batches, batch_window_ms=args.batch_window_ms)
+                         max_batches=args.max_batches, batch_window_ms=args.batch_window_ms,
+                         prefill_chunk=args.prefill_chunk)
     engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
                                             decode_cache=args.decode_cache, missing=args.missing_kv).items()
                       if v is not None}
@@ -298,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batches", type=int, default=4,
                     help="batches running at once, one decode step each in turn (new prompts need not wait)")
     sv.add_argument("--batch-window-ms", type=float, default=5.0, help="wait this long to fill a batch")
+    sv.add_argument("--prefill-chunk", type=int, default=64,
+                    help="prompt columns a new batch prefills per tick, other batches step in between (0 = all)")
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     sv.set_defaults(func=cmd_serve)
 

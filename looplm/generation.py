@@ -174,20 +174,22 @@ class Engine:
 
     def batch(self, prompts: Sequence[str | Sequence[int]] | str,
               params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-              length: int | None = None, capacity: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+              length: int | None = None, capacity: int | None = None,
+              prefill_chunk: int | None = None) -> "DecodeBatch | _SpeculativeRun":
         """A batch to advance one step at a time: `step()` returns that step's TokenEvents and
         `finished` says when every row is done. A plain engine's DecodeBatch also takes new
         prompts into free rows (`join`): `capacity` rows in all (default: one per prompt) and
         `length` cache columns (default: what these prompts need; more leaves room for prompts
-        that join later)."""
+        that join later). `prefill_chunk`: prefill at most this many columns per `step()` (those
+        steps return no events), so that a server can advance its other batches in between."""
         ids, plist = self._prepare(prompts, params)
-        return self._open(ids, plist, deltas=True, length=length, capacity=capacity)
+        return self._open(ids, plist, deltas=True, length=length, capacity=capacity, prefill_chunk=prefill_chunk)
 
     def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
-              capacity: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+              capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | _SpeculativeRun":
         if self.speculative is not None:
             return _SpeculativeRun(self._speculative_events(ids, plist, deltas))
-        return DecodeBatch(self, ids, plist, deltas, length, capacity)
+        return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
@@ -474,10 +476,16 @@ class DecodeBatch:
     far and its tokens in the rest). `Engine.stream` drives one batch to the end; the server keeps
     several and lets new requests join them (continuous batching). The engine's work runs in
     inference mode inside each call, never in the caller's code.
+
+    Chunked prefill (`prefill_chunk`): the starting prompts are prefilled that many columns per
+    step (the earlier steps return no events). Attention is the same as one chunk only under the
+    `full` prefill cache (a later chunk reads earlier prompt tokens through the prefill policy;
+    one chunk reads them exactly), so with another prefill policy the prompt stays one chunk
+    (`stats["prefill_chunks"]` says how many ran).
     """
 
     def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
-                 length: int | None = None, capacity: int | None = None):
+                 length: int | None = None, capacity: int | None = None, prefill_chunk: int | None = None):
         engine._kernels()
         self.engine, self.deltas = engine, deltas
         ref = next(engine.model.parameters())
@@ -502,6 +510,11 @@ class DecodeBatch:
         self.done, self.n_out = [False] * n + [True] * (B - n), [0] * B
         self.tokens, self.rounds = [0] * B, [0] * B          # each row's latest token and its rounds
         self.col = P                                         # the column the next decode step writes
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
+        exact = engine.config.prefill_cache == "full"
+        self.chunk = prefill_chunk if prefill_chunk and exact else P   # prompt columns per prefill step
+        self.prefilled, self._prefill_parts = 0, []                    # columns done; (start, compute s)
         self.started = False
         self.latencies: list[float] = []
         self.row_steps = 0
@@ -522,8 +535,7 @@ class DecodeBatch:
             return []
         with torch.inference_mode():
             if not self.started:
-                self._prefill()
-                return self._emit(list(range(self.n_start)))
+                return self._emit(list(range(self.n_start))) if self._prefill() else []
             rows = [b for b in range(self.B) if not self.done[b]]
             self._decode(rows)
             return self._emit(rows)
@@ -571,15 +583,26 @@ class DecodeBatch:
                                        rows=rows)
         return logits, used
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> bool:
+        """The next `chunk` prompt columns; True (and every row's first token sampled) after the last."""
         t0 = time.perf_counter()
         rows = None if self.n_start == self.B else torch.arange(self.n_start, device=self.idx.device)
-        logits, used = self._run_prompt(self.idx, 0, rows)
-        self._sampled(logits, used, list(range(self.n_start)))
+        a, P = self.prefilled, self.idx.shape[1]
+        b = min(P, a + self.chunk)
+        logits, used = self._run_prompt(self.idx[:, a:b], a, rows)
+        self.prefilled = b
+        if b == P:
+            self._sampled(logits, used, list(range(self.n_start)))
         t1 = time.perf_counter()
-        self.stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0,
-                          prefill_tokens_per_s=self._prompt_tokens / max(t1 - t0, 1e-9))
+        self._prefill_parts.append((t0, t1 - t0))
+        if b < P:
+            return False
+        compute = sum(dt for _, dt in self._prefill_parts)
+        self.stats.update(prefill_s=compute, ttft_s=t1 - self._prefill_parts[0][0],
+                          prefill_tokens_per_s=self._prompt_tokens / max(compute, 1e-9),
+                          prefill_chunks=len(self._prefill_parts))
         self.started, self._step_start, self._cpu_start = True, t1, time.process_time()
+        return True
 
     def _decode(self, rows: list[int]) -> None:
         """Feed the running rows' latest tokens at column col. Finished and free rows are left

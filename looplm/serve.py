@@ -14,7 +14,10 @@ so a request's output does not depend on its batch mates) and advances them one 
 each in turn. A waiting prompt takes a free row of a running batch (each has `max_batch` rows)
 when it fits there (continuous batching: its prompt must fit in the columns that batch has used
 so far, its tokens in the rest of the context), else it starts a new batch with other waiting
-prompts, else it waits. So a short request is not held behind a long one. The server ticks the
+prompts, else it waits. So a short request is not held behind a long one. A new batch prefills
+its prompts `prefill_chunk` columns per tick (under the `full` prefill cache; see DecodeBatch),
+so a long prompt delays the other batches' next tokens by one chunk, not the whole prompt; a
+prompt joining a running batch is prefilled in one tick. The server ticks the
 scheduler on its event loop between requests (when it was idle, it first waits
 `batch_window_ms` for prompts to arrive together), so every torch call happens on that one
 thread: once two threads of a process have run torch ops, their CPU thread teams compete and
@@ -62,6 +65,9 @@ class ServeLimits:
     """Batches running at once, advanced one decode step each in turn."""
     batch_window_ms: float = 5.0
     """How long an idle server waits for more prompts before starting a batch."""
+    prefill_chunk: int = 64
+    """Prompt columns a new batch prefills per tick (0 = the whole prompt in one tick): a long
+    prompt then delays the other batches' next tokens by one chunk's time, not the prompt's."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:
@@ -69,6 +75,8 @@ class ServeLimits:
         for name in ("max_tokens", "max_concurrent", "max_batch", "max_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        if self.prefill_chunk < 0:
+            raise UserError(f"--prefill-chunk {self.prefill_chunk}: must be >= 0 (0 = the whole prompt at once)")
         if not 0 <= self.batch_window_ms <= 10_000:
             raise UserError(f"--batch-window-ms {self.batch_window_ms}: must lie in [0, 10000]")
 
@@ -122,7 +130,7 @@ class Scheduler:
                 self.waiting.popleft()
             elif len(self.running) < self.limits.max_batches:
                 group = [self.waiting.popleft() for _ in range(min(max_batch, len(self.waiting)))]
-                self.running.append(_Batch(group, self.engine, max_batch))
+                self.running.append(_Batch(group, self.engine, max_batch, self.limits.prefill_chunk))
             else:
                 break
         self.running = [b for b in self.running if b.step()]
@@ -139,11 +147,12 @@ class Scheduler:
 class _Batch:
     """One engine batch of the scheduler (its own cache): engine row -> the request row it serves."""
 
-    def __init__(self, rows: list[_Row], engine: Engine, capacity: int):
+    def __init__(self, rows: list[_Row], engine: Engine, capacity: int, prefill_chunk: int = 0):
         self.rows = dict(enumerate(rows))
         try:                     # room for prompts that join later: `capacity` rows, the whole context
             self.run: Any = engine.batch([r.ids for r in rows], [r.params for r in rows],
-                                         length=engine.cfg.context, capacity=capacity)
+                                         length=engine.cfg.context, capacity=capacity,
+                                         prefill_chunk=prefill_chunk or None)
         except Exception as err:
             self._fail(err)
 

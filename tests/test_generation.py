@@ -48,6 +48,31 @@ def test_batched_generation_equals_each_prompt_alone(model, config):
 
 
 
+@pytest.mark.parametrize("config", [
+    {}, {"exit": "kl:0.02", "exit_in_prefill": True}, {"decode_cache": "last", "missing": "mask"},
+    {"prefill_cache": "first"},
+])
+def test_chunked_prefill_equals_one_chunk(model, config):
+    """A batch prefilled a few columns per step (the server's other batches run in between)
+    decodes what one-chunk prefill decodes; under a shared prefill policy, where chunks would
+    read earlier prompt tokens through the policy, the prompt stays one chunk."""
+    eng = Engine(model, TOK, GenerationConfig(**config))
+    whole = eng.generate(PROMPTS, GREEDY)
+    for chunk in (1, 4, 7):
+        run = eng.batch(PROMPTS, GREEDY, prefill_chunk=chunk)
+        P = run.idx.shape[1]
+        quiet, events = 0, []
+        while not run.finished:
+            evs = run.step()
+            quiet += not evs
+            events += evs
+        parts = -(-P // chunk) if config.get("prefill_cache", "full") == "full" else 1
+        assert run.stats["prefill_chunks"] == parts and quiet == parts - 1, (config, chunk)
+        for b, want in enumerate(whole):
+            got = [e for e in events if e.row == b]
+            assert [e.token for e in got] == want.tokens and [e.rounds for e in got] == want.rounds_used, (config, b)
+
+
 @pytest.mark.parametrize("config, init", [
     ({}, "random"), ({"exit": "kl:0.02"}, "random"), ({"exit": "kl:0.02", "missing": "mask"}, "prelude"),
     ({"prefill_cache": "average", "decode_cache": "first"}, "prelude"),

@@ -228,6 +228,29 @@ def test_a_short_request_is_not_held_behind_a_long_one():
     assert [t for n, t, _ in log if n == "long"] == engine.generate([list(b"a long one")], long_p)[0].tokens
 
 
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
+    """With prefill_chunk=8 a 60-token prompt's new batch takes 8 ticks to its first token, and
+    the running batch emits a token at every one of them instead of waiting for the whole prompt."""
+    from looplm.generation import SamplingParams
+
+    engine, sched = _scheduler(max_batch=1, max_batches=2, prefill_chunk=8)
+    run_p = SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    long_prompt, long_p = bytes(range(65, 125)), SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    log: list[tuple[str, int, bool]] = []
+    _submit(sched, log, "running", b"go", run_p)
+    sched.tick()                                       # its prefill and first token
+    _submit(sched, log, "long", long_prompt, long_p)
+    for tick in range(1, 9):
+        before = len(log)
+        sched.tick()
+        names = [n for n, _, _ in log[before:]]
+        assert names.count("running") == 1, tick
+        assert names.count("long") == (1 if tick == 8 else 0), tick      # ceil(60 / 8) = 8 chunks
+    _run(sched, log, lambda: not sched.busy)
+    assert [t for n, t, _ in log if n == "running"] == engine.generate([list(b"go")], run_p)[0].tokens
+    assert [t for n, t, _ in log if n == "long"] == engine.generate([list(long_prompt)], long_p)[0].tokens
+
+
 def test_a_row_whose_client_went_away_stops():
     from looplm.generation import SamplingParams
 
@@ -282,3 +305,14 @@ def test_clients_that_leave_mid_stream_do_not_disturb_the_others(server):
         got = list(pool.map(client, range(len(bodies))))
     assert [g for g in got if g is not None] == [a for a, g in zip(alone, got) if g is not None]
     assert post(server, bodies[1]).json()["choices"][0]["text"] == alone[1]      # still serving, same answer
+
+
+@pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_batches", 0), ("max_tokens", 0),
+                                          ("prefill_chunk", -1), ("batch_window_ms", -1.0),
+                                          ("max_prompt_tokens", -2)])
+def test_serve_limits_out_of_range_are_user_errors_naming_the_flag(field, value):
+    from looplm.errors import UserError
+    from looplm.serve import ServeLimits
+
+    with pytest.raises(UserError, match="--" + field.replace("_", "-")):
+        ServeLimits(**{field: value})
