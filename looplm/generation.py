@@ -317,8 +317,8 @@ class Engine:
         cache.begin(col + K, 1, "decode")
         rope1, e1, s1 = self._chunk_inputs(last, col + K, cache, noise, None)
         s1 = unroll(lambda s, r: k.core_step(s, e1, r, rope1, cache), s1, d).state
-        e = torch.cat([t[0] for t in trace[:K]] + [e1], 1)                      # (1, K+1, d)
-        s = torch.cat([t[1] for t in trace[:K]] + [s1], 1)
+        e = torch.cat([t[0] for t in trace] + [e1], 1)                          # (1, K+1, d)
+        s = torch.cat([t[1] for t in trace] + [s1], 1)
         cache.begin(col, K + 1, "decode")
         rope = k.rope(col, K + 1, None)
         if d < R:
