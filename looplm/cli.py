@@ -171,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_batches=args.max_batches, batch_window_ms=args.batch_window_ms,
                          prefill_chunk=args.prefill_chunk)
     engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
-                                            decode_cache=args.decode_cache, missing=args.missing_kv).items()
+                                            decode_cache=args.decode_cache, missing=args.missing_kv,
+                                            speculative=args.speculative).items()
                       if v is not None}
     if args.threads < 0:
         raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
@@ -299,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batches", type=int, default=4,
                     help="batches running at once, one decode step each in turn (new prompts need not wait)")
     sv.add_argument("--batch-window-ms", type=float, default=5.0, help="wait this long to fill a batch")
+    sv.add_argument("--speculative", metavar="ROUNDS:K",
+                    help="self-speculative decoding for every request (one row per batch; batches run in turn)")
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt columns a new batch prefills per tick, other batches step in between (0 = all)")
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")

@@ -28,6 +28,9 @@ Tokens flow back to each request through its own queue as they are sampled, whic
 stops at the next step and frees its place. Each batch's cache holds `max_batch` rows of the
 whole context (bench-s: 4 MiB a row), allocated when the batch starts.
 
+With `--speculative` every prompt is a batch of one row (speculation is batch-1), and batches
+advance one verification each in turn.
+
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.

@@ -180,13 +180,13 @@ def test_too_many_requests_get_429_and_the_rest_succeed(server):
 
 
 
-def _scheduler(**limits):
-    from looplm.generation import Engine
+def _scheduler(speculative=None, **limits):
+    from looplm.generation import Engine, GenerationConfig
     from looplm.serve import Scheduler, ServeLimits
 
     torch.manual_seed(0)
     model = looplm.build_model(looplm.load_recipe("quickstart", overrides={**TINY, "model.context": 128})).eval()
-    engine = Engine(model, ByteTokenizer())
+    engine = Engine(model, ByteTokenizer(), GenerationConfig(speculative=speculative))
     return engine, Scheduler(engine, ServeLimits(**limits))
 
 
@@ -249,6 +249,29 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
     _run(sched, log, lambda: not sched.busy)
     assert [t for n, t, _ in log if n == "running"] == engine.generate([list(b"go")], run_p)[0].tokens
     assert [t for n, t, _ in log if n == "long"] == engine.generate([list(long_prompt)], long_p)[0].tokens
+
+
+def test_a_speculative_server_runs_each_request_as_its_own_batch_in_turn():
+    """`looplm serve --speculative`: speculation is batch-1, so each prompt gets its own batch;
+    they advance one verification each in turn and answer what plain decoding answers."""
+    from looplm.generation import Engine, SamplingParams
+
+    engine, sched = _scheduler(speculative="1:3", max_batches=2)
+    plain = Engine(engine.model, ByteTokenizer())
+    jobs = {"a": (b"hello", SamplingParams(max_new_tokens=12, stop_at_eos=False)),
+            "b": (b"The loop", SamplingParams(max_new_tokens=9, temperature=0.8, seed=2, stop_at_eos=False)),
+            "c": (b"xy", SamplingParams(max_new_tokens=5, stop_at_eos=False))}
+    log: list[tuple[str, int, bool]] = []
+    for name, (prompt, sp) in jobs.items():
+        _submit(sched, log, name, prompt, sp)
+    sched.tick()
+    assert len(sched.running) == 2 and len(sched.waiting) == 1       # one row per batch, two batches
+    _run(sched, log, lambda: not sched.busy)
+    for name in ("a", "c"):                                           # greedy: plain decoding's tokens
+        prompt, sp = jobs[name]
+        assert [t for n, t, _ in log if n == name] == plain.generate([list(prompt)], sp)[0].tokens, name
+    prompt, sp = jobs["b"]                                            # sampled: seeded, as the engine alone
+    assert [t for n, t, _ in log if n == "b"] == engine.generate([list(prompt)], sp)[0].tokens
 
 
 def test_a_row_whose_client_went_away_stops():
