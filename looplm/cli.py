@@ -66,6 +66,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
     if run.recipe.data.task and not args.data:  # task runs: answer-token loss and exact-match accuracy
+        if args.cache_sweep:
+            raise UserError("--cache-sweep scores language-modelling text; on a task run pass --data PATH")
         return _eval_task_run(run, rounds, args)
     batches = eval_batches_for(run, args.data)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
@@ -74,6 +76,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from .adaptive import exit_eval
         extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,
                                        data_label=args.data or "the run's validation split")
+        result.update(extra)
+        lines += extra_lines
+    if args.cache_sweep:  # what each prefill/decode cache policy costs in held-out loss
+        from .cache_eval import cache_sweep
+        extra, extra_lines = cache_sweep(run, batches, args.exit)
         result.update(extra)
         lines += extra_lines
     _emit(result, args.json, "\n".join(lines))
@@ -265,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--exit", metavar="POLICY", help="per-token early exit: fixed:R, quantile:Q, entropy:TAU or kl:EPS")
     e.add_argument("--exit-sweep", metavar="KIND", help="sweep quantile|entropy|kl thresholds (optionally KIND:V1,V2,..)"
                                                         "; writes a table, a plot and a report.md section")
+    e.add_argument("--cache-sweep", action="store_true",
+                   help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
