@@ -22,14 +22,8 @@ Random initial loop states (Huginn) are drawn from a per-row table indexed by th
 position and seeded by the request seed, so cached, batched and token-by-token decoding all see
 the same noise and one seed reproduces one output.
 
-Self-speculative decoding (`speculative="ROUNDS:K"`, batch 1): K tokens are drafted with ROUNDS
-rounds reading the full-depth history (or, with `"exit:K"`, each draft stops at the round the
-exit policy picks, its skipped rounds filled or masked like any early exit), then the pending
-token and the K drafts are verified at full depth as one chunk, which overwrites every cache
-entry the drafts wrote. The accepted prefix plus the verifier's own token are kept and the
-cache is trimmed to them. Greedy output equals plain full-depth greedy decoding; with
-temperature, standard speculative sampling (accept with min(1, p/q), else resample from
-max(p - q, 0)) keeps the target distribution.
+Self-speculative decoding (`speculative="ROUNDS:K"` or `"exit:K"`, batch 1) drafts shallow and
+verifies at full depth through the same chunks (speculative.py).
 
 Speed. The model's math runs through `Kernels` (kernels.py): the same arithmetic as the
 model's modules (parity with `model(idx)` is tested) with fused q/k/v and gate/up matmuls,
@@ -56,7 +50,8 @@ from .errors import UserError
 from .halting import ExitPolicy, parse_exit_policy, should_exit
 from .kernels import Kernels, rope_rows
 from .model import initial_noise_table
-from .sampler import RowText, Sampler, SamplingParams, is_int
+from .sampler import RowText, Sampler, SamplingParams, TokenEvent, is_int
+from .speculative import SpeculativeRun, parse_speculative
 
 __all__ = ["Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
 
@@ -82,20 +77,6 @@ class GenerationConfig:
     """Exit policies never stop before this round."""
     exit_in_prefill: bool = False
     """Let prompt tokens exit early too (the prompt then runs token by token)."""
-
-
-@dataclass
-class TokenEvent:
-    """One generated token of one row (what `Engine.stream` yields)."""
-
-    row: int
-    token: int
-    text: str
-    """Text newly safe to show (complete characters, never part of a stop string)."""
-    rounds: int
-    """Rounds run for this token."""
-    finish_reason: str | None = None
-    """On the row's last event: "stop" (eos or a stop string) or "length"."""
 
 
 @dataclass
@@ -142,7 +123,7 @@ class Engine:
         self.adaptive = self.policy.kind != "fixed"
         self.speculative: tuple[int | None, int] | None = None    # (draft rounds or None: by the exit policy, K)
         if config.speculative:
-            self.speculative = _parse_speculative(config.speculative, self.rounds)
+            self.speculative = parse_speculative(config.speculative, self.rounds)
             if self.speculative[0] is None and not self.adaptive:
                 raise UserError(f"--speculative {config.speculative}: exit drafts stop by an early-exit policy; pass "
                                 f"--exit entropy:TAU, kl:EPS or quantile:Q (the output stays full-depth)")
@@ -175,7 +156,7 @@ class Engine:
     def batch(self, prompts: Sequence[str | Sequence[int]] | str,
               params: SamplingParams | Sequence[SamplingParams] | None = None, *,
               length: int | None = None, capacity: int | None = None,
-              prefill_chunk: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+              prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
         """A batch to advance one step at a time: `step()` returns that step's TokenEvents and
         `finished` says when every row is done. A plain engine's DecodeBatch also takes new
         prompts into free rows (`join`): `capacity` rows in all (default: one per prompt) and
@@ -186,9 +167,9 @@ class Engine:
         return self._open(ids, plist, deltas=True, length=length, capacity=capacity, prefill_chunk=prefill_chunk)
 
     def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
-              capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | _SpeculativeRun":
+              capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
         if self.speculative is not None:
-            return _SpeculativeRun(self._speculative_events(ids, plist, deltas))
+            return SpeculativeRun(self, ids, plist, deltas)
         return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
@@ -305,28 +286,6 @@ class Engine:
             s = m.initial_state(e)
         return rope, e, s
 
-    def _verify(self, cache: LoopKVCache, col: int, drafts: list[int],
-                trace: list[tuple[Tensor, Tensor]], d: int, noise: Tensor | None) -> Tensor:
-        """Full-depth logits (1, K+1, V) of pending + K drafts at columns col..col+K, reusing what
-        the drafts computed: draft j ran the token at column col+j through the prelude and rounds
-        1..d reading the same history plain decoding reads, so its prelude output and state after
-        round d (`trace`) are plain decoding's. Only the last draft's token (column col+K) runs
-        those; then rounds d+1..R and the coda run on all K+1 columns as one chunk."""
-        k, R, K = self._fast or self._kernels(), self.rounds, len(drafts)
-        last = torch.tensor([[drafts[-1]]], device=trace[0][0].device)
-        cache.begin(col + K, 1, "decode")
-        rope1, e1, s1 = self._chunk_inputs(last, col + K, cache, noise, None)
-        s1 = unroll(lambda s, r: k.core_step(s, e1, r, rope1, cache), s1, d).state
-        e = torch.cat([t[0] for t in trace] + [e1], 1)                          # (1, K+1, d)
-        s = torch.cat([t[1] for t in trace] + [s1], 1)
-        cache.begin(col, K + 1, "decode")
-        rope = k.rope(col, K + 1, None)
-        if d < R:
-            s = unroll(lambda s, r: k.core_step(s, e, d + r, rope, cache), s, R - d).state
-        logits = k.readout(s, rope, cache, R, True)
-        cache.commit(R)
-        return logits
-
     def _kernels(self) -> "Kernels":
         """The fused kernels, rebuilt when a model weight changed in place since they were made
         (checked when a generation starts, not per token)."""
@@ -374,95 +333,6 @@ class Engine:
             else:
                 prev = logits
         return out, used
-
-    # -- self-speculative decoding (batch 1) ------------------------------------------------
-    def _speculative_events(self, ids: list[list[int]], plist: list[SamplingParams],
-                            deltas: bool) -> Iterator[list[TokenEvent]]:
-        """One list of TokenEvents per verification (the accepted drafts and the verifier's token)."""
-        assert self.speculative is not None
-        self._kernels()
-        draft_rounds, K = self.speculative
-        R, sp, prompt = self.rounds, plist[0], ids[0]
-        dev = next(self.model.parameters()).device
-        P, ctx = len(prompt), self.cfg.context
-        cache = self.new_cache(1, P + sp.max_new_tokens + K + 1)
-        noise = self._noise(plist, next(self.model.parameters()))
-        sampler = Sampler(plist, ids, self.cfg.vocab_size, dev)
-        text = RowText(self.tokenizer, sp.stop, deltas)
-        eos = getattr(self.tokenizer, "eos_id", None)
-        stats: dict[str, Any] = {"batch": 1, "rounds": R, "exit": f"fixed:{R}",
-                                 "prefill_cache": self.config.prefill_cache, "decode_cache": "full",
-                                 "missing": self.config.missing, "cache_bytes": cache.nbytes(),
-                                 "speculative": {"draft_rounds": draft_rounds, "k": K, "drafted": 0, "accepted": 0,
-                                                 "draft_exit": None if draft_rounds else str(self.policy)}}
-        spec = stats["speculative"]
-        self.last_stats = stats
-        n_out, draft_round_sum = 0, 0
-        t0 = time.perf_counter()
-        logits, _ = self.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
-                                   noise=noise)
-        pending = int(sampler(logits)[0])
-        t1 = time.perf_counter()
-        stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=P / max(t1 - t0, 1e-9))
-        emit, col = [pending], P          # emit: tokens to hand out; pending sits at column col
-        decode_start, cpu_start = t1, time.process_time()
-        while True:
-            events = []
-            for tok in emit:
-                n_out += 1
-                reason = None
-                if _is_eos(sp, eos, tok):
-                    reason, delta = "stop", text.finish()
-                else:
-                    delta, hit = text.push(tok)
-                    if hit:
-                        reason, delta = "stop", delta + text.finish()
-                    elif n_out >= sp.max_new_tokens:
-                        reason, delta = "length", delta + text.finish()
-                events.append(TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason))
-                if reason:
-                    break
-                sampler.observe_one(tok)
-            yield events
-            if reason:
-                break
-            # draft k tokens after `pending` with few rounds, reading the full-depth history
-            k = min(K, sp.max_new_tokens - n_out - 1, ctx - 1 - col)
-            drafts: list[int] = []
-            q_list: list[Tensor | None] = []
-            trace: list[tuple[Tensor, Tensor]] = []
-            tok = pending
-            for j in range(k):
-                x = torch.tensor([[tok]], device=dev)
-                if draft_rounds:
-                    lg, used = self.run_chunk(x, col + j, cache, rounds=draft_rounds, noise=noise, commit=False,
-                                              trace=trace)
-                else:   # the policy's exit; commit fills (or masks) the rounds it skipped for the next draft
-                    lg, used = self.run_chunk(x, col + j, cache, noise=noise)
-                draft_round_sum += int(used) if isinstance(used, int) else int(used[0])
-                tok, q = sampler.pick(lg[0], drafts)
-                drafts.append(tok)
-                q_list.append(q)
-            # verify pending + drafts at full depth (overwriting the drafts' entries): fixed-round
-            # drafts already ran rounds 1..d of the first k columns; exit drafts ran different ones
-            if draft_rounds and k:
-                lg = self._verify(cache, col, drafts, trace, draft_rounds, noise)
-            else:
-                chunk = torch.tensor([[pending] + drafts], device=dev)
-                lg, _ = self.run_chunk(chunk, col, cache, rounds=R, noise=noise, all_logits=True)
-            accepted, nxt = sampler.verify(lg[0], drafts, q_list)
-            spec["drafted"] += k
-            spec["accepted"] += accepted
-            cache.truncate(col + accepted + 1)
-            emit = drafts[:accepted] + [nxt]
-            pending, col = nxt, col + accepted + 1
-        decode_s = time.perf_counter() - decode_start
-        n_dec = max(n_out - 1, 0)
-        spec["acceptance_rate"] = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
-        spec["draft_mean_rounds"] = draft_round_sum / spec["drafted"] if spec["drafted"] else 0.0
-        stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=n_dec,
-                     decode_tokens_per_s=n_dec / decode_s if n_dec else 0.0)
-
 
 class DecodeBatch:
     """Rows decoded together, one step at a time; a new prompt can take a free row.
@@ -640,17 +510,10 @@ class DecodeBatch:
         """The events of `rows`' latest tokens; rows end on eos, a stop string or their length."""
         events = []
         for b in rows:
-            tok, sp, text = self.tokens[b], self.plist[b], self.texts[b]
+            tok, sp = self.tokens[b], self.plist[b]
             self.n_out[b] += 1
-            reason = None
-            if _is_eos(sp, self.eos, tok):
-                reason, delta = "stop", text.finish()
-            else:
-                delta, hit = text.push(tok)
-                if hit:
-                    reason, delta = "stop", delta + text.finish()
-                elif self.n_out[b] >= sp.max_new_tokens:
-                    reason, delta = "length", delta + text.finish()
+            eos = sp.stop_at_eos and self.eos is not None and tok == self.eos
+            delta, reason = self.texts[b].add(tok, eos, self.n_out[b] >= sp.max_new_tokens)
             self.done[b] = reason is not None
             events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason))
         self._maybe_finish()
@@ -665,52 +528,10 @@ class DecodeBatch:
                               decode_tokens_per_s=self.row_steps / decode_s if self.latencies else 0.0)
 
 
-class _SpeculativeRun:
-    """Self-speculative decoding (batch 1) behind DecodeBatch's interface; it takes no new rows."""
-
-    def __init__(self, steps: Iterator[list[TokenEvent]]):
-        self.steps, self.finished = steps, False
-
-    def step(self) -> list[TokenEvent]:
-        """The tokens of the next verification (the accepted drafts and the verifier's own)."""
-        if self.finished:
-            return []
-        with torch.inference_mode():
-            try:
-                return next(self.steps)
-            except StopIteration:
-                self.finished = True
-                return []
-
-    def join(self, prompt: Any, params: Any = None) -> None:
-        return None
-
-    def cancel(self, row: int) -> None:
-        self.finished = True
-
-
-def _events(run: "DecodeBatch | _SpeculativeRun") -> Iterator[TokenEvent]:
+def _events(run: "DecodeBatch | SpeculativeRun") -> Iterator[TokenEvent]:
     """A batch's events, step after step, until it finishes."""
     while not run.finished:
         yield from run.step()
-
-
-def _is_eos(sp: SamplingParams, eos: int | None, tok: int) -> bool:
-    return sp.stop_at_eos and eos is not None and tok == eos
-
-
-def _parse_speculative(text: str, rounds: int) -> tuple[int | None, int]:
-    """"ROUNDS:K" -> (ROUNDS, K); "exit:K" -> (None, K): drafts stop by the exit policy."""
-    msg = (f"--speculative {text!r}: expected ROUNDS:K with 1 <= ROUNDS <= {rounds}, or exit:K (drafts stop by "
-           f"the --exit policy), and 1 <= K <= 32, e.g. 1:4")
-    a, sep, b = str(text).partition(":")
-    try:
-        d, k = (None if a.strip() == "exit" else int(a)), int(b)
-    except ValueError:
-        raise UserError(msg) from None
-    if not sep or (d is not None and not 1 <= d <= rounds) or not 1 <= k <= 32:
-        raise UserError(msg)
-    return d, k
 
 
 def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,

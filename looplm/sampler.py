@@ -3,7 +3,8 @@
 `SamplingParams` is what one request asks for; `Sampler` applies it to a batch's logits row by
 row (repetition penalty, temperature, top-k, top-p, one seeded generator per row) and does the
 draft/verify arithmetic of speculative decoding; `RowText` turns a row's tokens into text deltas
-that never split a character or show part of a stop string.
+that never split a character or show part of a stop string, and says when a row ends;
+`TokenEvent` is what the engine hands out per token.
 """
 
 from __future__ import annotations
@@ -192,6 +193,20 @@ def sampling_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
     return probs
 
 
+@dataclass
+class TokenEvent:
+    """One generated token of one row (what `Engine.stream` yields)."""
+
+    row: int
+    token: int
+    text: str
+    """Text newly safe to show (complete characters, never part of a stop string)."""
+    rounds: int
+    """Rounds run for this token."""
+    finish_reason: str | None = None
+    """On the row's last event: "stop" (eos or a stop string) or "length"."""
+
+
 class RowText:
     """Incremental detokenisation for one row: complete characters only, stop strings cut."""
 
@@ -228,6 +243,18 @@ class RowText:
         delta = text[self.shown:safe]
         self.shown = safe
         return delta, False
+
+    def add(self, token: int, eos: bool, last: bool) -> tuple[str, str | None]:
+        """A row's next token: (text to show, why the row ends: "stop", "length" or None). `eos`:
+        the token is the end-of-sequence token (shown as nothing); `last`: the row may not have more."""
+        if eos:
+            return self.finish(), "stop"
+        delta, hit = self.push(token)
+        if hit:
+            return delta + self.finish(), "stop"
+        if last:
+            return delta + self.finish(), "length"
+        return delta, None
 
     def finish(self) -> str:
         """The rest of the text (at the end of the row)."""

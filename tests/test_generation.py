@@ -254,6 +254,8 @@ def test_verification_reusing_the_drafts_rounds_equals_a_full_depth_chunk(model,
     """Verification starts the drafted columns at round d+1 from the drafts' own states; its
     logits equal running pending + drafts through every round as one chunk."""
     import copy
+
+    from looplm.speculative import verify_from_drafts
     eng = Engine(model, TOK, GenerationConfig(rounds=4))
     prompt = torch.tensor([TOK.encode("The loop runs")])
     P, K = prompt.shape[1], 3
@@ -262,12 +264,12 @@ def test_verification_reusing_the_drafts_rounds_equals_a_full_depth_chunk(model,
     with torch.inference_mode():
         eng.run_chunk(prompt, 0, cache, phase="prefill", noise=noise)
         toks, trace = [7], []
-        for j in range(K):                                  # drafts of d rounds, as _speculative_events runs them
+        for j in range(K):                                  # drafts of d rounds, as speculative_events runs them
             lg, _ = eng.run_chunk(torch.tensor([[toks[-1]]]), P + j, cache, rounds=d, noise=noise, commit=False,
                                   trace=trace)
             toks.append(int(lg[0].argmax()))
         before = copy.deepcopy(cache)
-        reused = eng._verify(cache, P, toks[1:], trace, d, noise)
+        reused = verify_from_drafts(eng, cache, P, toks[1:], trace, d, noise)
         full, _ = eng.run_chunk(torch.tensor([toks]), P, before, rounds=4, noise=noise, all_logits=True)
     assert reused.shape == full.shape == (1, K + 1, model.cfg.vocab_size)
     assert (reused - full).abs().max().item() < 1e-5
