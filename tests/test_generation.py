@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import looplm
 from looplm.checkpoint import save_checkpoint, write_text
@@ -71,6 +73,25 @@ def test_chunked_prefill_equals_one_chunk(model, config):
         for b, want in enumerate(whole):
             got = [e for e in events if e.row == b]
             assert [e.token for e in got] == want.tokens and [e.rounds for e in got] == want.rounds_used, (config, b)
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), chunk=st.integers(1, 24),
+       exits=st.booleans())
+def test_any_prefill_chunking_decodes_what_one_chunk_decodes(model, lengths, chunk, exits):
+    """Random prompt lengths (left-padded rows) and chunk sizes, with or without per-token exits."""
+    eng = Engine(model, TOK, GenerationConfig(**({"exit": "kl:0.02"} if exits else {})))
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    params = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    whole = eng.generate(prompts, params)
+    run = eng.batch(prompts, params, prefill_chunk=chunk)
+    events = []
+    while not run.finished:
+        events += run.step()
+    assert run.stats["prefill_chunks"] == -(-max(lengths) // chunk)
+    for b, want in enumerate(whole):
+        got = [e for e in events if e.row == b]
+        assert [e.token for e in got] == want.tokens and [e.rounds for e in got] == want.rounds_used
 
 
 @pytest.mark.parametrize("config, init", [
