@@ -384,7 +384,7 @@ class DecodeBatch:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
         exact = engine.config.prefill_cache == "full"
         self.chunk = prefill_chunk if prefill_chunk and exact else P   # prompt columns per prefill step
-        self.prefilled, self._prefill_parts = 0, []                    # columns done; (start, compute s)
+        self.prefilled, self._prefill_t0, self._prefill_s = 0, 0.0, 0.0    # columns done; first start; compute s
         self.started = False
         self.latencies: list[float] = []
         self.row_steps = 0
@@ -458,19 +458,20 @@ class DecodeBatch:
         t0 = time.perf_counter()
         rows = None if self.n_start == self.B else torch.arange(self.n_start, device=self.idx.device)
         a, P = self.prefilled, self.idx.shape[1]
+        if a == 0:
+            self._prefill_t0 = t0
         b = min(P, a + self.chunk)
         logits, used = self._run_prompt(self.idx[:, a:b], a, rows)
         self.prefilled = b
         if b == P:
             self._sampled(logits, used, list(range(self.n_start)))
         t1 = time.perf_counter()
-        self._prefill_parts.append((t0, t1 - t0))
+        self._prefill_s += t1 - t0
         if b < P:
             return False
-        compute = sum(dt for _, dt in self._prefill_parts)
-        self.stats.update(prefill_s=compute, ttft_s=t1 - self._prefill_parts[0][0],
-                          prefill_tokens_per_s=self._prompt_tokens / max(compute, 1e-9),
-                          prefill_chunks=len(self._prefill_parts))
+        self.stats.update(prefill_s=self._prefill_s, ttft_s=t1 - self._prefill_t0,
+                          prefill_tokens_per_s=self._prompt_tokens / max(self._prefill_s, 1e-9),
+                          prefill_chunks=-(-P // self.chunk))
         self.started, self._step_start, self._cpu_start = True, t1, time.process_time()
         return True
 
