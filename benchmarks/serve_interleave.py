@@ -2,8 +2,9 @@
 
     python benchmarks/serve_interleave.py [--threads N] [--trials 5] [--long 200] [--short 8]
                                           [--requests 24] [--gap-ms 15] [--big-prompt 224]
+                                          [--join-prompt 144]
 
-Three schedules of the same worker:
+Three schedules of the same worker (parts 1-2):
 
     one at a time  one batch of one row (max_batches=1, max_batch=1)
     in turn        batches of one row (max_batch=1, max_batches=4), one decode step each in turn
@@ -19,6 +20,11 @@ Three schedules of the same worker:
    `--big-prompt`-token prompts arrive together. The longest gap between two of the stream's
    tokens while they prefill, and their time to first token, with `prefill_chunk` 0 (the whole
    prompt in one tick), 64 (the default), 32 and 16.
+4. Chunked joins (continuous schedule): a stream with a (`--join-prompt` + 16)-token prompt
+   decodes; 10 ms in, 7 requests with `--join-prompt`-token prompts arrive together and take
+   the free rows of its batch (they fit in its columns). The same two figures: the joining
+   prompts share one chunk of prefill per tick of that batch (0: each is prefilled whole as it
+   joins, all in one tick).
 
 Medians over `--trials`, schedules interleaved. The scheduler is ticked directly, as the server
 does between requests (no HTTP), so the figures are the scheduling alone.
@@ -87,9 +93,10 @@ def load_trial(engine: Engine, limits: dict, n: int, gap_ms: float) -> tuple[flo
     return span * 1e3, sum(lengths) / span, statistics.median((finished[i] - arrived[i]) * 1e3 for i in range(n))
 
 
-def stall_trial(engine: Engine, prefill_chunk: int, big: int) -> tuple[float, float]:
-    """(longest ms between two tokens of a running stream while 8 big prompts prefill, their
-    median ms from arrival to first token)."""
+def stall_trial(engine: Engine, prefill_chunk: int, big: int, n_big: int = 8, stream_prompt: int = 8,
+                stream_new: int = 200) -> tuple[float, float]:
+    """(longest ms between two tokens of a running stream while `n_big` prompts of `big` tokens
+    prefill, their median ms from arrival to first token)."""
     sched = Scheduler(engine, ServeLimits(prefill_chunk=prefill_chunk))
     stamps: list[float] = []
     first: dict[int, float] = {}
@@ -102,15 +109,17 @@ def stall_trial(engine: Engine, prefill_chunk: int, big: int) -> tuple[float, fl
             first.setdefault(i, time.perf_counter())
         return _Row(ids=[(11 * i + j) % 4096 for j in range(big)],
                     params=SamplingParams(max_new_tokens=4, stop_at_eos=False), send=send)
-    sched.submit(_Row(ids=list(range(8)), params=SamplingParams(max_new_tokens=200, stop_at_eos=False),
-                      send=stream))
+    sched.submit(_Row(ids=[(7 * j) % 4096 for j in range(stream_prompt)],
+                      params=SamplingParams(max_new_tokens=stream_new, stop_at_eos=False), send=stream))
+    while not stamps:                        # its prefill and first token
+        sched.tick()
     t = time.perf_counter() + 0.01
     while time.perf_counter() < t:
         sched.tick()
     arrived = time.perf_counter()
-    for i in range(8):
+    for i in range(n_big):
         sched.submit(big_row(i))
-    while len(first) < 8:
+    while len(first) < n_big:
         sched.tick()
     seen = len(stamps)
     while len(stamps) == seen:               # the stream's next token after theirs: the last gap
@@ -128,6 +137,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--gap-ms", type=float, default=15.0)
     ap.add_argument("--big-prompt", type=int, default=224)
+    ap.add_argument("--join-prompt", type=int, default=144)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -156,6 +166,16 @@ def main() -> None:
         for chunk in stalls:
             stalls[chunk].append(stall_trial(engine, chunk, args.big_prompt))
     for chunk, runs in stalls.items():
+        print(f"{f'prefill_chunk {chunk}':>17}: longest gap in the stream {statistics.median(r[0] for r in runs):6.1f} ms, "
+              f"their first token after {statistics.median(r[1] for r in runs):6.0f} ms")
+    print(f"4. 7 prompts of {args.join_prompt} tokens joining the batch of a stream with a "
+          f"{args.join_prompt + 16}-token prompt (continuous)")
+    joins: dict[int, list[tuple[float, float]]] = {0: [], 64: [], 32: [], 16: []}
+    for _ in range(args.trials):
+        for chunk in joins:
+            joins[chunk].append(stall_trial(engine, chunk, args.join_prompt, n_big=7,
+                                            stream_prompt=args.join_prompt + 16, stream_new=90))
+    for chunk, runs in joins.items():
         print(f"{f'prefill_chunk {chunk}':>17}: longest gap in the stream {statistics.median(r[0] for r in runs):6.1f} ms, "
               f"their first token after {statistics.median(r[1] for r in runs):6.0f} ms")
 

@@ -343,7 +343,7 @@ class DecodeBatch:
     the `capacity` rows beyond the starting prompts), right-aligned so that its prompt ends just
     before the column the running rows write next, and returns the row and its first token's
     events, or None when no row is free or it does not fit (its prompt must fit in the columns so
-    far and its tokens in the rest). `Engine.stream` drives one batch to the end; the server keeps
+    far and its tokens in the rest; with chunked prefill, see below). `Engine.stream` drives one batch to the end; the server keeps
     several and lets new requests join them (continuous batching). The engine's work runs in
     inference mode inside each call, never in the caller's code.
 
@@ -351,7 +351,16 @@ class DecodeBatch:
     step (the earlier steps return no events). Attention is the same as one chunk only under the
     `full` prefill cache (a later chunk reads earlier prompt tokens through the prefill policy;
     one chunk reads them exactly), so with another prefill policy the prompt stays one chunk
-    (`stats["prefill_chunks"]` says how many ran).
+    (`stats["prefill_chunks"]` says how many ran). With a chunk, prompts that join are
+    prefilled between steps too, within the same budget: each step, after the running rows'
+    decode, runs at most `prefill_chunk` columns of joining prompts, in the order they joined
+    (a prompt takes what is left of a step's budget and the whole budget of the steps after).
+    `join` then only places the prompt and returns no events; its first token comes with the
+    step that runs its last columns. Its steps are known when it joins, so the prompt is placed
+    to end where the running rows are then: L <= that column is what must fit. While it is
+    prefilled, a decode step that runs every row (see `_decode`) writes throwaway entries into its
+    row at one column; that column is before its prompt or not yet written (every step from its
+    first to its last runs at least one of its columns) and a later part overwrites it.
     """
 
     def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
@@ -384,6 +393,11 @@ class DecodeBatch:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
         exact = engine.config.prefill_cache == "full"
         self.chunk = prefill_chunk if prefill_chunk and exact else P   # prompt columns per prefill step
+        self.join_chunk = prefill_chunk if prefill_chunk and exact else None
+        # row -> (prompt (1, L), its first column, columns done, [(step, columns)] still to run); a
+        # step is named by the column count after its decode (self.col); the budget's tail: (step, used)
+        self.joining: dict[int, tuple[Tensor, int, int, list[tuple[int, int]]]] = {}
+        self._join_tail = (0, 0)
         self.prefilled, self._prefill_t0, self._prefill_s = 0, 0.0, 0.0    # columns done; first start; compute s
         self.started = False
         self.latencies: list[float] = []
@@ -406,20 +420,28 @@ class DecodeBatch:
         with torch.inference_mode():
             if not self.started:
                 return self._emit(list(range(self.n_start))) if self._prefill() else []
-            rows = [b for b in range(self.B) if not self.done[b]]
-            self._decode(rows)
-            return self._emit(rows)
+            rows = [b for b in range(self.B) if not self.done[b] and b not in self.joining]
+            if rows:
+                self._decode(rows)
+            else:
+                self.col += 1            # only joining rows: their prompts' places assume one column per step
+            return self._emit(rows + self._join_chunks())
 
     def join(self, prompt: str | Sequence[int], params: SamplingParams | None = None
              ) -> tuple[int, list[TokenEvent]] | None:
-        """Prefill a new prompt into a free row; (row, its first token's events), or None."""
+        """Prefill a new prompt into a free row; (row, its first token's events), or None. With a
+        prefill chunk it is only placed here (no events): the next steps prefill it, and its first
+        token comes with the step that runs its last columns."""
         e = self.engine
         (ids,), (sp,) = e._prepare([prompt], params)
-        free = [b for b in range(self.B) if self.done[b]]
+        free = [b for b in range(self.B) if self.done[b] and b not in self.joining]
         if not self.started or self.finished or not free:
             return None
-        start = self.col - len(ids)                          # its prompt ends at column col - 1
-        if start < 0 or self.col + sp.max_new_tokens - 1 > self.cache.length:
+        L = len(ids)
+        parts, tail = self._join_parts(L) if self.join_chunk else ([], None)
+        first = parts[-1][0] if parts else self.col         # the column of its first decode step
+        start = first - L                                    # its prompt ends just before
+        if start < 0 or first + sp.max_new_tokens - 1 > self.cache.length:
             return None
         b = free[0]
         with torch.inference_mode():
@@ -431,6 +453,9 @@ class DecodeBatch:
             self.texts[b] = RowText(e.tokenizer, sp.stop, self.deltas)
             self.done[b], self.n_out[b] = False, 0
             idx = torch.tensor([ids], dtype=torch.long, device=self.idx.device)
+            if parts:
+                self.joining[b], self._join_tail = (idx, start, 0, parts), tail
+                return b, []
             logits, used = self._run_prompt(idx, start, torch.tensor([b], device=self.idx.device))
             self._sampled(logits, used, [b])
             return b, self._emit([b])
@@ -439,6 +464,7 @@ class DecodeBatch:
         """Stop a row (its client went away): no more events, its place is free for `join`."""
         if self.started and not self.done[row]:
             self.done[row] = True
+            self.joining.pop(row, None)
             self._maybe_finish()
 
     # -- inside ---------------------------------------------------------------------------
@@ -452,6 +478,41 @@ class DecodeBatch:
             logits, used = e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill", noise=self.noise,
                                        rows=rows)
         return logits, used
+
+    def _join_parts(self, L: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        """The steps that would prefill a joining prompt of L tokens: [(step, columns)] in the
+        budget left after the prompts that joined before it, and the budget's new tail."""
+        c = self.join_chunk
+        step, used = self._join_tail
+        if step <= self.col:
+            step, used = self.col + 1, 0                     # the next step, nothing scheduled there
+        elif used == c:
+            step, used = step + 1, 0
+        parts = []
+        while L:
+            n = min(L, c - used)
+            parts.append((step, n))
+            L, used = L - n, used + n
+            if L:
+                step, used = step + 1, 0
+        return parts, (step, used)
+
+    def _join_chunks(self) -> list[int]:
+        """This step's columns of the joining prompts; the rows whose prompt is now complete, with
+        their first token sampled."""
+        ready = []
+        for b, (idx, start, done, parts) in list(self.joining.items()):
+            if parts[0][0] != self.col:
+                continue                                     # its turn comes later
+            end = done + parts[0][1]
+            logits, used = self._run_prompt(idx[:, done:end], start + done, torch.tensor([b], device=idx.device))
+            if len(parts) > 1:
+                self.joining[b] = (idx, start, end, parts[1:])
+                continue
+            del self.joining[b]
+            self._sampled(logits, used, [b])
+            ready.append(b)
+        return ready
 
     def _prefill(self) -> bool:
         """The next `chunk` prompt columns; True (and every row's first token sampled) after the last."""

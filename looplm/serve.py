@@ -12,12 +12,13 @@ Concurrency. A `Scheduler` keeps up to `max_batches` batches of the engine runni
 its own cache, rows left-padded; each row samples with its own parameters and seeded generator,
 so a request's output does not depend on its batch mates) and advances them one decode step
 each in turn. A waiting prompt takes a free row of a running batch (each has `max_batch` rows)
-when it fits there (continuous batching: its prompt must fit in the columns that batch has used
-so far, its tokens in the rest of the context), else it starts a new batch with other waiting
+when it fits there (continuous batching: its prompt must fit in the columns that batch will have used
+when its prefill is done, its tokens in the rest of the context), else it starts a new batch with other waiting
 prompts, else it waits. So a short request is not held behind a long one. A new batch prefills
 its prompts `prefill_chunk` columns per tick (under the `full` prefill cache; see DecodeBatch),
-so a long prompt delays the other batches' next tokens by one chunk, not the whole prompt; a
-prompt joining a running batch is prefilled in one tick. The server ticks the
+so a long prompt delays the other batches' next tokens by one chunk, not the whole prompt;
+prompts joining a running batch share a budget of `prefill_chunk` columns per tick of that
+batch, after its decode step. The server ticks the
 scheduler on its event loop between requests (when it was idle, it first waits
 `batch_window_ms` for prompts to arrive together), so every torch call happens on that one
 thread: once two threads of a process have run torch ops, their CPU thread teams compete and
@@ -69,8 +70,9 @@ class ServeLimits:
     batch_window_ms: float = 5.0
     """How long an idle server waits for more prompts before starting a batch."""
     prefill_chunk: int = 64
-    """Prompt columns a new batch prefills per tick (0 = the whole prompt in one tick): a long
-    prompt then delays the other batches' next tokens by one chunk's time, not the prompt's."""
+    """Prompt columns a new batch prefills per tick, and joining prompts per tick of the batch
+    they join (0 = a whole prompt in one tick): a long prompt then delays the other rows' next
+    tokens by one chunk's time, not the prompt's."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:

@@ -113,6 +113,25 @@ def test_rows_that_finished_are_not_computed_and_the_others_are_unchanged(config
 
 
 
+def _drive(batch, waiting, owner, got, on_step=None):
+    """Step a batch to the end, joining the waiting (name, prompt, params) in order whenever one fits."""
+    while not batch.finished:
+        events = batch.step()
+        if on_step:
+            on_step(events)
+        for ev in events:
+            got[owner[ev.row]].append(ev.token)
+        while waiting:
+            name, prompt, sp = waiting[0]
+            placed = batch.join(prompt, sp)
+            if placed is None:
+                break
+            row, events = placed
+            owner[row] = name
+            got[name] += [ev.token for ev in events]
+            waiting.pop(0)
+
+
 @pytest.mark.parametrize("config, init", [
     ({}, "random"), ({"prefill_cache": "last", "decode_cache": "last"}, "prelude"),
     ({"prefill_cache": "average", "decode_cache": "first"}, "random"), ({"exit": "kl:0.02"}, "prelude"),
@@ -135,21 +154,152 @@ def test_prompts_that_join_a_running_batch_equal_each_alone(config, init):
     owner = {b: name for b, (name, _, _) in enumerate(starters)}
     got: dict[str, list[int]] = {name: [] for name, _, _ in starters + joiners}
     waiting = list(joiners)
-    while not batch.finished:
-        for ev in batch.step():
-            got[owner[ev.row]].append(ev.token)
-        while waiting:
-            name, prompt, sp = waiting[0]
-            placed = batch.join(prompt, sp)
-            if placed is None:
-                break
-            row, events = placed
-            owner[row] = name
-            got[name] += [ev.token for ev in events]
-            waiting.pop(0)
+    _drive(batch, waiting, owner, got)
     assert not waiting
     for name, prompt, sp in starters + joiners:
         assert got[name] == eng.generate([prompt], sp)[0].tokens, (config, name)
+
+
+@pytest.mark.parametrize("config", [{}, {"exit": "kl:0.02", "missing": "mask"}, {"exit": "kl:0.02", "exit_in_prefill": True},
+                                    {"decode_cache": "average"}])
+@pytest.mark.parametrize("chunk", [1, 3, 5])
+def test_a_joining_prompt_prefilled_in_chunks_equals_it_alone(config, chunk):
+    """A prompt longer than the prefill chunk joins over several steps; the running rows get a
+    token at each of them, and every row decodes what it decodes alone."""
+    eng = Engine(tiny(**{"model.init_state": "random"}), TOK, GenerationConfig(**config))
+    starters = [("a0", "hello", SamplingParams(max_new_tokens=2, stop_at_eos=False)),
+                ("a1", "a somewhat longer prompt", SamplingParams(max_new_tokens=30, temperature=0.8, seed=1,
+                                                                  stop_at_eos=False)),
+                ("a2", "xy", SamplingParams(max_new_tokens=6, stop_at_eos=False))]
+    joiners = [("j0", "The loop runs", SamplingParams(max_new_tokens=6, stop_at_eos=False)),
+               ("j1", "q", SamplingParams(max_new_tokens=9, temperature=0.7, seed=5, stop_at_eos=False)),
+               ("j2", "0123456789", SamplingParams(max_new_tokens=12, stop_at_eos=False))]
+    batch = eng.batch([p for _, p, _ in starters], [sp for _, _, sp in starters], length=64, capacity=4,
+                      prefill_chunk=chunk)
+    owner = {b: name for b, (name, _, _) in enumerate(starters)}
+    got: dict[str, list[int]] = {name: [] for name, _, _ in starters + joiners}
+    quiet = []
+
+    def on_step(events):     # while a row joins, every running row still gets its token
+        running = [b for b in range(batch.B) if not batch.done[b] and b not in batch.joining]
+        quiet.append(bool(batch.joining) and not events and bool(running))
+    _drive(batch, list(joiners), owner, got, on_step)
+    assert not any(quiet)
+    for name, prompt, sp in starters + joiners:
+        assert got[name] == eng.generate([prompt], sp)[0].tokens, (config, chunk, name)
+
+
+def test_a_joining_prompt_survives_steps_that_run_every_row():
+    """Rows 0, 2, 3 running and row 1 joining: not consecutive and more than half, so a decode
+    step runs every row, row 1 included, while its prompt is half prefilled. Those throwaway
+    entries land on columns its later chunks overwrite."""
+    eng = Engine(tiny(), TOK, GenerationConfig())
+    long_sp = SamplingParams(max_new_tokens=20, stop_at_eos=False)
+    prompts = ["hello there", "ab", "The loop runs", "0123456789"]
+    params = [long_sp, SamplingParams(max_new_tokens=1, stop_at_eos=False), long_sp, long_sp]
+    batch = eng.batch(prompts, params, length=64, prefill_chunk=2)
+    calls = []
+    run_chunk = eng.run_chunk
+
+    def spy(idx, start, cache, **kw):
+        calls.append((idx.shape[1], kw.get("rows") is None, bool(batch.joining)))
+        return run_chunk(idx, start, cache, **kw)
+    eng.run_chunk = spy
+    owner = {b: str(b) for b in range(4)}
+    got = {str(b): [] for b in range(4)} | {"late": []}
+    late = ("late", "0123456789ab", SamplingParams(max_new_tokens=5, stop_at_eos=False))
+    _drive(batch, [late], owner, got)
+    assert owner[1] == "late"
+    assert any(T == 1 and every and joining for T, every, joining in calls)
+    for b, (prompt, sp) in enumerate(zip(prompts, params)):
+        assert got[str(b)] == eng.generate([prompt], sp)[0].tokens, b
+    assert got["late"] == eng.generate([late[1]], late[2])[0].tokens
+
+
+def test_a_joining_prompt_completes_after_the_other_rows_finished():
+    """Every running row ends while a prompt is still joining: the steps in between only prefill
+    (the column advances as if the rows had run), then the new row decodes alone."""
+    eng = Engine(tiny(), TOK, GenerationConfig())
+    batch = eng.batch(["a somewhat longer prompt"], SamplingParams(max_new_tokens=3, stop_at_eos=False),
+                      capacity=2, length=64, prefill_chunk=2)
+    while not batch.started:                             # its own prompt: 12 chunks
+        batch.step()
+    sp = SamplingParams(max_new_tokens=7, stop_at_eos=False)
+    row, events = batch.join("0123456789", sp)          # 5 chunks, one per step
+    assert row == 1 and events == []
+    got = []
+    while not batch.finished:
+        got += [ev.token for ev in batch.step() if ev.row == 1]
+    assert got == eng.generate(["0123456789"], sp)[0].tokens
+
+
+@pytest.mark.parametrize("cancel", [None, "j0", "j1"])
+def test_joining_prompts_share_one_chunk_of_prefill_per_step(cancel):
+    """Three prompts (10, 3 and 9 tokens) join at once with a chunk of 4: each step runs at most
+    4 of their columns besides the decode, in the order they joined (4 | 4 | 2+2 | 1+3 | 4 | 2),
+    the first token of each comes with its last columns, and a prompt cancelled while it waits
+    does not move the others."""
+    eng = Engine(tiny(), TOK, GenerationConfig())
+    run_sp = SamplingParams(max_new_tokens=14, stop_at_eos=False)
+    batch = eng.batch(["a somewhat longer prompt"], run_sp, capacity=4, length=64, prefill_chunk=4)
+    first = []
+    while not batch.started:
+        first += [ev.token for ev in batch.step()]
+    joins = {"j0": ("The loop r", SamplingParams(max_new_tokens=5, stop_at_eos=False)),
+             "j1": ("abc", SamplingParams(max_new_tokens=6, temperature=0.9, seed=3, stop_at_eos=False)),
+             "j2": ("012345678", SamplingParams(max_new_tokens=4, stop_at_eos=False))}
+    owner, got = {0: "run"}, {"run": first, **{n: [] for n in joins}}
+    for name, (prompt, sp) in joins.items():
+        row, events = batch.join(prompt, sp)
+        assert events == []
+        owner[row] = name
+    if cancel:
+        batch.cancel(next(b for b, n in owner.items() if n == cancel))
+    prefill: list[int] = []
+    run_chunk = eng.run_chunk
+
+    def spy(idx, start, cache, **kw):
+        if kw.get("phase") == "prefill":
+            prefill[-1] += idx.shape[1]
+        return run_chunk(idx, start, cache, **kw)
+    eng.run_chunk = spy
+    firsts = []
+    while not batch.finished:
+        prefill.append(0)
+        events = batch.step()
+        firsts.append(sorted(owner[ev.row] for ev in events if ev.row and not got[owner[ev.row]]))
+        for ev in events:
+            got[owner[ev.row]].append(ev.token)
+    want = {None: [4, 4, 4, 4, 4, 2], "j0": [0, 0, 2, 4, 4, 2], "j1": [4, 4, 2, 3, 4, 2]}[cancel]
+    assert prefill[:6] == want and not any(prefill[6:])
+    done = {None: ["j0", "j1", "j2"], "j0": ["j1", "j2"], "j1": ["j0", "j2"]}[cancel]
+    assert [n for step in firsts for n in step] == done
+    assert firsts.index(["j2"]) == 5                    # its last columns ran in the sixth step
+    for name in done:
+        assert got[name] == eng.generate([joins[name][0]], joins[name][1])[0].tokens, name
+    assert got["run"] == eng.generate(["a somewhat longer prompt"], run_sp)[0].tokens
+
+
+@settings(max_examples=10, deadline=None)
+@given(starts=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10)), min_size=1, max_size=3),
+       joins=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 8)), min_size=1, max_size=4),
+       chunk=st.integers(1, 8), extra=st.integers(0, 2))
+def test_any_chunked_joins_decode_what_each_prompt_decodes_alone(model, starts, joins, chunk, extra):
+    """Random starting prompts and lengths, prompts joining whenever they fit, any prefill chunk."""
+    eng = Engine(model, TOK, GenerationConfig())
+
+    def job(i, n, new):
+        return f"p{i}", [(5 * i + 3 * j) % 250 + 1 for j in range(n)], SamplingParams(max_new_tokens=new, stop_at_eos=False)
+    starters = [job(i, n, new) for i, (n, new) in enumerate(starts)]
+    joiners = [job(10 + i, n, new) for i, (n, new) in enumerate(joins)]
+    batch = eng.batch([p for _, p, _ in starters], [sp for _, _, sp in starters], length=64,
+                      capacity=len(starters) + extra, prefill_chunk=chunk)
+    owner = {b: name for b, (name, _, _) in enumerate(starters)}
+    got: dict[str, list[int]] = {name: [] for name, _, _ in starters + joiners}
+    waiting = list(joiners)
+    _drive(batch, waiting, owner, got)
+    for name, prompt, sp in starters + [j for j in joiners if j not in waiting]:
+        assert got[name] == eng.generate([prompt], sp)[0].tokens, name
 
 
 def test_a_prompt_that_does_not_fit_does_not_join(model):

@@ -251,6 +251,30 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
     assert [t for n, t, _ in log if n == "long"] == engine.generate([list(long_prompt)], long_p)[0].tokens
 
 
+def test_a_long_prompt_joining_a_running_batch_is_prefilled_in_chunks():
+    """A 60-token prompt takes the free row of a batch at column 70 over ceil(60 / 8) = 8 ticks,
+    one chunk each, and the running row gets its token at every one of them."""
+    from looplm.generation import SamplingParams
+
+    engine, sched = _scheduler(max_batch=2, max_batches=1, prefill_chunk=8)
+    run_prompt, run_p = bytes(range(40, 110)), SamplingParams(max_new_tokens=30, stop_at_eos=False)
+    long_prompt, long_p = bytes(range(65, 125)), SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    log: list[tuple[str, int, bool]] = []
+    _submit(sched, log, "running", run_prompt, run_p)
+    _run(sched, log, lambda: bool(log))                # its 9 prefill chunks and first token
+    _submit(sched, log, "long", long_prompt, long_p)
+    for tick in range(1, 9):
+        before = len(log)
+        sched.tick()
+        names = [n for n, _, _ in log[before:]]
+        assert names.count("running") == 1, tick
+        assert names.count("long") == (1 if tick == 8 else 0), tick
+    assert len(sched.running) == 1                     # it joined; no second batch
+    _run(sched, log, lambda: not sched.busy)
+    assert [t for n, t, _ in log if n == "running"] == engine.generate([list(run_prompt)], run_p)[0].tokens
+    assert [t for n, t, _ in log if n == "long"] == engine.generate([list(long_prompt)], long_p)[0].tokens
+
+
 def test_a_speculative_server_runs_each_request_as_its_own_batch_in_turn():
     """`looplm serve --speculative`: speculation is batch-1, so each prompt gets its own batch;
     they advance one verification each in turn and answer what plain decoding answers."""
