@@ -50,7 +50,7 @@ from .errors import UserError
 from .halting import ExitPolicy, parse_exit_policy, should_exit
 from .kernels import Kernels, rope_rows
 from .model import initial_noise_table
-from .sampler import RowText, Sampler, SamplingParams, TokenEvent, is_int
+from .sampler import RowText, Sampler, SamplingParams, TokenEvent, is_int, token_logprobs
 from .speculative import SpeculativeRun, parse_speculative
 
 __all__ = ["Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
@@ -88,6 +88,10 @@ class Completion:
     rounds_used: list[int]
     finish_reason: str
     prompt_tokens: int
+    logprobs: list[float] | None = None
+    """Each token's log-probability, when its SamplingParams asked (`logprobs`)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the likeliest tokens and their log-probabilities (as many as asked)."""
     stats: dict[str, Any] = field(default_factory=dict)
     """Batch timings and counters: prefill_tokens_per_s, decode_tokens_per_s, ttft_s, ...; shared by the batch."""
 
@@ -169,6 +173,8 @@ class Engine:
     def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
               capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
         if self.speculative is not None:
+            if any(sp.logprobs is not None for sp in plist):
+                raise UserError("logprobs: not reported under --speculative (drop one of them)")
             return SpeculativeRun(self, ids, plist, deltas)
         return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 
@@ -181,15 +187,23 @@ class Engine:
         rounds: list[list[int]] = [[] for _ in ids]
         texts = [""] * len(ids)
         reasons = ["length"] * len(ids)
+        lps: list[list[float]] = [[] for _ in ids]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in ids]
         for ev in events:
             toks[ev.row].append(ev.token)
             rounds[ev.row].append(ev.rounds)
             texts[ev.row] += ev.text
             if ev.finish_reason:
                 reasons[ev.row] = ev.finish_reason
+            if ev.logprob is not None:
+                lps[ev.row].append(ev.logprob)
+                tops[ev.row].append(ev.top_logprobs or [])
         stats = dict(self.last_stats)
         return [Completion(text=texts[b], tokens=toks[b], rounds_used=rounds[b], finish_reason=reasons[b],
-                           prompt_tokens=len(ids[b]), stats=stats) for b in range(len(ids))]
+                           prompt_tokens=len(ids[b]), stats=stats,
+                           logprobs=lps[b] if plist[b].logprobs is not None else None,
+                           top_logprobs=tops[b] if plist[b].logprobs is not None else None)
+                for b in range(len(ids))]
 
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
         c = self.config
@@ -388,6 +402,7 @@ class DecodeBatch:
         self.eos = getattr(engine.tokenizer, "eos_id", None)
         self.done, self.n_out = [False] * n + [True] * (B - n), [0] * B
         self.tokens, self.rounds = [0] * B, [0] * B          # each row's latest token and its rounds
+        self.lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * B    # and its logprobs
         self.col = P                                         # the column the next decode step writes
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
@@ -567,6 +582,11 @@ class DecodeBatch:
         used_l = [used] * len(rows) if isinstance(used, int) else used.tolist()
         for b, tok, n in zip(rows, toks, used_l):
             self.tokens[b], self.rounds[b] = tok, n
+        want = [j for j, b in enumerate(rows) if self.plist[b].logprobs is not None]
+        if want:
+            got = token_logprobs(logits[want], [toks[j] for j in want], [self.plist[rows[j]].logprobs for j in want])
+            for j, lp in zip(want, got):
+                self.lps[rows[j]] = lp
 
     def _emit(self, rows: list[int]) -> list[TokenEvent]:
         """The events of `rows`' latest tokens; rows end on eos, a stop string or their length."""
@@ -577,7 +597,9 @@ class DecodeBatch:
             eos = sp.stop_at_eos and self.eos is not None and tok == self.eos
             delta, reason = self.texts[b].add(tok, eos, self.n_out[b] >= sp.max_new_tokens)
             self.done[b] = reason is not None
-            events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason))
+            lp = self.lps[b] if sp.logprobs is not None else None
+            events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason,
+                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None))
         self._maybe_finish()
         return events
 

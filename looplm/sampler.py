@@ -38,6 +38,10 @@ class SamplingParams:
     """Seeds sampling and a random initial loop state; the same seed gives the same output."""
     stop_at_eos: bool = True
     """End a row when it emits the tokenizer's eos token."""
+    logprobs: int | None = None
+    """Report each generated token's log-probability under the model (log-softmax of the logits,
+    before penalty, temperature, top-k and top-p) and the `logprobs` likeliest tokens' (None = off;
+    0 = the chosen token's only; at most 20)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str, value: Any) -> UserError:
@@ -59,6 +63,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not is_int(self.seed):
             raise bad("seed", "must be an integer", self.seed)
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20] or None (off)", self.logprobs)
         object.__setattr__(self, "temperature", float(self.temperature))
 
     @property
@@ -171,6 +177,17 @@ class Sampler:
         return len(drafts), int(torch.multinomial(sampling_probs(lg, sp).cpu(), 1, generator=g)[0])
 
 
+def token_logprobs(logits: Tensor, tokens: list[int], top: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(B', V) logits, each row's chosen token and how many alternatives it wants -> per row
+    (the token's log-probability, [(token, log-probability)] of the `top` likeliest, best first)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).view(-1, 1))[:, 0].tolist()
+    n = max(top)
+    vals, ids = torch.topk(lp, n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
+    vals_l, ids_l = vals.tolist(), ids.tolist()
+    return [(c, list(zip(ids_l[j][:k], vals_l[j][:k]))) for j, (c, k) in enumerate(zip(chosen, top))]
+
+
 def penalise(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
     """CTRL repetition penalty on tokens seen so far: (B, V), (B, V) bool, (B, 1)."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
@@ -205,6 +222,10 @@ class TokenEvent:
     """Rounds run for this token."""
     finish_reason: str | None = None
     """On the row's last event: "stop" (eos or a stop string) or "length"."""
+    logprob: float | None = None
+    """The token's log-probability under the model, when its SamplingParams asked (`logprobs`)."""
+    top_logprobs: list[tuple[int, float]] | None = None
+    """The likeliest tokens and their log-probabilities, best first (as many as asked)."""
 
 
 class RowText:

@@ -32,6 +32,11 @@ whole context (bench-s: 4 MiB a row), allocated when the batch starts.
 With `--speculative` every prompt is a batch of one row (speculation is batch-1), and batches
 advance one verification each in turn.
 
+`n` gives that many choices per prompt (choice j samples with seed + j); `logprobs: N` (at most
+5) reports each token's log-probability under the model (raw logits: before the penalty and
+temperature) and the N likeliest, in OpenAI's legacy shape (`tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`; a token that holds part of a character is shown as
+"bytes:\\xNN"); `echo` and presence/frequency penalties get a 400 that names them.
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -45,7 +50,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -214,9 +219,9 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     seed: StrictInt | None = None
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1)
     echo: StrictBool = False
-    logprobs: Literal[None] = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -226,6 +231,14 @@ def _seed(seed: int | None, temperature: float) -> int:
     if seed is not None:
         return seed
     return 0 if temperature == 0 else uuid.uuid4().int % 2**31
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    """A token as logprobs show it: its text, or "bytes:\\xNN..." when it holds part of a character."""
+    piece = tokenizer.decode([token])
+    if "\ufffd" in piece and hasattr(tokenizer, "token_bytes"):
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in tokenizer.token_bytes(token))
+    return piece
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Any:
@@ -294,14 +307,15 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                           "model", "not_found_error")
-        for name, ok in (("n", req.n == 1), ("echo", not req.echo),
+        for name, ok in (("echo", not req.echo),
                          ("presence_penalty", req.presence_penalty == 0),
                          ("frequency_penalty", req.frequency_penalty == 0)):
             if not ok:
                 return _error(400, f"{name}: not supported by this server (use the default)", name)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts or len(prompts) > limits.max_batch:
-            return _error(400, f"prompt: give one string or a list of 1..{limits.max_batch} strings", "prompt")
+        if not prompts or len(prompts) * req.n > limits.max_batch:
+            return _error(400, f"prompt: give one string or a list of strings, at most {limits.max_batch} "
+                               f"completions in all (prompts x n)", "prompt" if req.n == 1 else "n")
         if req.max_tokens > limits.max_tokens:
             return _error(400, f"max_tokens: {req.max_tokens} exceeds this server's limit of {limits.max_tokens}",
                           "max_tokens")
@@ -316,27 +330,44 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                 return _error(400, f"prompt: {len(ids)} tokens + max_tokens {req.max_tokens} exceed the model "
                                    f"context of {ctx}", "prompt")
             ids_list.append(ids)
-        try:
-            params = SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                    stop=() if req.stop is None else req.stop,
-                                    seed=_seed(req.seed, req.temperature))
+        seed = _seed(req.seed, req.temperature)
+        try:                     # choice j of a prompt samples with seed + j
+            params = [SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                     top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                     stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs)
+                      for j in range(req.n)]
+            if engine.speculative is not None and req.logprobs is not None:
+                raise UserError("logprobs: not reported by a --speculative server")
         except UserError as err:
             field = str(err).split(" ")[0]
             return _error(400, str(err), field)
-        if not sched.try_reserve(len(ids_list)):
+        n_rows = len(ids_list) * req.n
+        if not sched.try_reserve(n_rows):
             return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
                           None, "rate_limit_error")
         events: asyncio.Queue = asyncio.Queue()
         mine = []
-        for i, ids in enumerate(ids_list):
+        for i in range(n_rows):  # choice i: prompt i // n, sample i % n
             def send(ev: Any, i: int = i) -> None:
                 events.put_nowait((i, ev))
-            mine.append(_Row(ids=ids, params=params, send=send))
+            mine.append(_Row(ids=ids_list[i // req.n], params=params[i % req.n], send=send))
             sched.submit(mine[-1])
         wake.set()
         rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
-        n_rows = len(ids_list)
+        so_far: list[list[int]] = [[] for _ in range(n_rows)]     # each choice's tokens (text_offset)
+
+        def logprobs(i: int, evs: list[Any]) -> dict[str, Any] | None:
+            """OpenAI's logprobs object for choice i's events (None when not asked)."""
+            if req.logprobs is None:
+                return None
+            out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for ev in evs:
+                out["tokens"].append(_token_text(engine.tokenizer, ev.token))
+                out["token_logprobs"].append(ev.logprob)
+                out["top_logprobs"].append({_token_text(engine.tokenizer, t): v for t, v in ev.top_logprobs or []})
+                out["text_offset"].append(len(engine.tokenizer.decode(so_far[i])))
+                so_far[i].append(ev.token)
+            return out
 
         async def rows() -> Any:
             """(choice index, TokenEvent) until every row finished; raises the engine's error."""
@@ -354,15 +385,16 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                     r.cancelled = True
                 sched.release(n_rows)
 
-        def chunk(i: int, text: str, reason: str | None) -> dict[str, Any]:
+        def chunk(i: int, ev: Any) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}]}
+                    "choices": [{"index": i, "text": ev.text, "logprobs": logprobs(i, [ev]),
+                                 "finish_reason": ev.finish_reason}]}
 
         if req.stream:
             async def sse() -> Any:
                 try:
                     async for i, ev in rows():
-                        yield f"data: {json.dumps(chunk(i, ev.text, ev.finish_reason))}\n\n"
+                        yield f"data: {json.dumps(chunk(i, ev))}\n\n"
                 except Exception as err:
                     yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -371,17 +403,19 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         texts, toks = [""] * n_rows, [0] * n_rows
         reasons: list[str | None] = [None] * n_rows
         rounds: list[list[int]] = [[] for _ in range(n_rows)]
+        evs: list[list[Any]] = [[] for _ in range(n_rows)]
         try:
             async for i, ev in rows():
                 texts[i] += ev.text
                 toks[i] += 1
                 rounds[i].append(ev.rounds)
                 reasons[i] = ev.finish_reason or reasons[i]
+                evs[i].append(ev)
         except Exception as err:
             return _error(500, f"generation failed: {err}", None, "server_error")
-        n_prompt = sum(map(len, ids_list))
+        n_prompt = sum(map(len, ids_list)) * req.n
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                "choices": [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i],
+                "choices": [{"index": i, "text": texts[i], "logprobs": logprobs(i, evs[i]), "finish_reason": reasons[i],
                              "rounds_used": rounds[i]} for i in range(n_rows)],
                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": sum(toks),
                           "total_tokens": n_prompt + sum(toks)}}

@@ -1,6 +1,7 @@
 """Tokenizers: turn text into token ids and back.
 
-Two kinds share one small interface (`vocab_size`, `eos_id`, `encode`, `decode`, `save`):
+Two kinds share one small interface (`vocab_size`, `eos_id`, `encode`, `decode`, `token_bytes`,
+`save`):
 
 - `ByteTokenizer`: ids 0..255 are raw UTF-8 bytes and id 256 is `<|eos|>`, the document
   separator. Needs no training and handles any text.
@@ -45,6 +46,10 @@ class ByteTokenizer:
         data = bytes(i for i in map(int, ids) if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for eos): a token can hold part of a character."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
     def save(self, directory: str | Path) -> None:
         _write_config(Path(directory), "byte")
 
@@ -74,6 +79,15 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for eos): a token can hold part of a character.
+        Byte-level BPE spells byte b as one printable character (GPT-2's table: printable
+        Latin-1 bytes as themselves, the others as chr(256 + n) in byte order)."""
+        if token == self.eos_id:
+            return b""
+        symbols = self._tok.id_to_token(int(token)) or ""
+        return bytes(_BYTE_OF_SYMBOL[c] for c in symbols)
+
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -82,6 +96,10 @@ class BPETokenizer:
 
 
 AnyTokenizer = ByteTokenizer | BPETokenizer
+
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_OF_SYMBOL = {chr(b): b for b in _PRINTABLE}
+_BYTE_OF_SYMBOL.update({chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in _PRINTABLE)})
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:

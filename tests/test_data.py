@@ -54,6 +54,17 @@ def test_bpe_round_trip_and_determinism(bpe: BPETokenizer):
     assert again._tok.to_str() == bpe._tok.to_str()
 
 
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_token_bytes_concatenate_to_the_texts_utf8(bpe: BPETokenizer, kind: str):
+    """token_bytes is what logprobs show for a token that holds part of a character."""
+    tok = ByteTokenizer() if kind == "byte" else bpe
+    for text in [TRICKY, small_corpus()[5], "never seen: ∮ E⋅da = Q 🙂"]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert tok.token_bytes(tok.eos_id) == b""
+    assert all(tok.token_bytes(i).decode("utf-8", "replace") == tok.decode([i]) for i in range(tok.vocab_size))
+
+
 def test_bpe_rejects_tiny_vocab():
     with pytest.raises(UserError, match="vocab_size"):
         train_bpe(small_corpus(), vocab_size=100)

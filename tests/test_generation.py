@@ -353,6 +353,42 @@ def test_cached_greedy_matches_the_no_cache_reference(model):
         assert eng.generate([prompt], SamplingParams(max_new_tokens=10, stop_at_eos=False))[0].tokens == want
 
 
+def test_logprobs_are_the_models_distribution_at_each_generated_token():
+    """Each token's log-probability and the top alternatives equal log-softmax of a full forward
+    pass over the prompt and the tokens so far (raw logits: the penalty, temperature and top-k
+    shape the choice, not the report), in a batch of prompts of different lengths."""
+    m = tiny(**{"model.init_state": "prelude"})
+    eng = Engine(m, TOK, GenerationConfig())
+    params = [SamplingParams(max_new_tokens=6, logprobs=3, stop_at_eos=False),
+              SamplingParams(max_new_tokens=5, temperature=0.9, top_k=5, seed=2, repetition_penalty=1.5, logprobs=0,
+                             stop_at_eos=False),
+              SamplingParams(max_new_tokens=4, stop_at_eos=False)]
+    prompts = ["hello", "a somewhat longer prompt", "xy"]
+    out = eng.generate(prompts, params)
+    assert out[2].logprobs is None and out[2].top_logprobs is None
+    for prompt, sp, got in zip(prompts[:2], params[:2], out[:2]):
+        seq = TOK.encode(prompt)
+        assert len(got.logprobs) == len(got.tokens) == len(got.top_logprobs)
+        for tok, lp, top in zip(got.tokens, got.logprobs, got.top_logprobs):
+            with torch.no_grad():
+                ref = torch.log_softmax(m(torch.tensor([seq])).logits[0, -1], -1)
+            assert abs(lp - float(ref[tok])) < 1e-4
+            best = torch.topk(ref, sp.logprobs)
+            assert [t for t, _ in top] == best.indices.tolist()
+            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(top, best.values.tolist()))
+            seq.append(tok)
+    events = [ev for ev in eng.stream(prompts, params) if ev.row == 0]      # the events carry the same
+    assert [ev.logprob for ev in events] == out[0].logprobs
+
+
+def test_logprobs_are_refused_with_speculation(model):
+    eng = Engine(model, TOK, GenerationConfig(speculative="1:2"))
+    with pytest.raises(UserError, match="logprobs"):
+        eng.generate(["hi"], SamplingParams(max_new_tokens=3, logprobs=1))
+    with pytest.raises(UserError, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
 def test_exit_policies_really_skip_rounds(model):
     eng = Engine(model, TOK, GenerationConfig(rounds=4, exit="entropy:100"))   # every token may stop at round 1
     calls = []

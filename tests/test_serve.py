@@ -123,6 +123,36 @@ def test_concurrent_clients_get_their_own_answers(server):
     assert [r.json()["usage"]["completion_tokens"] for r in together] == [b["max_tokens"] for b in bodies]
 
 
+def test_logprobs_and_n(server):
+    """`logprobs: N` reports each token's log-probability and the N likeliest tokens (OpenAI's
+    legacy shape, streamed per token too); `n` returns that many choices per prompt, choice j
+    sampled with seed + j, so they equal separate requests with those seeds."""
+    body = {"prompt": "The loop", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    r = post(server, body).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    ids = [int(t[8:], 16) if t.startswith("bytes:") else ord(t) for t in lp["tokens"]]     # one byte each here
+    assert bytes(ids).decode("utf-8", "replace") == r["choices"][0]["text"]
+    assert lp["text_offset"] == [len(bytes(ids[:k]).decode("utf-8", "replace")) for k in range(6)]
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert val <= 0 and len(top) == 2
+        assert top[tok] == pytest.approx(val) and val == pytest.approx(max(top.values()))   # greedy: the likeliest
+    streamed = []
+    with httpx.stream("POST", f"{server['base']}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["logprobs"]["token_logprobs"]
+    assert streamed == pytest.approx(lp["token_logprobs"])
+    assert post(server, {"prompt": "The loop", "max_tokens": 3}).json()["choices"][0]["logprobs"] is None
+    sampled = {"prompt": ["ab", "The loop"], "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    both = post(server, {**sampled, "n": 2}).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    assert both["usage"]["prompt_tokens"] == 2 * (2 + 8)
+    for i, c in enumerate(both["choices"]):
+        alone = post(server, {**sampled, "prompt": sampled["prompt"][i // 2], "seed": 7 + i % 2}).json()
+        assert c["text"] == alone["choices"][0]["text"], i
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
@@ -135,7 +165,12 @@ def test_concurrent_clients_get_their_own_answers(server):
     ({"prompt": 42}, 400, "prompt"),
     ({"prompt": "x" * 49}, 400, "prompt"),
     ({"prompt": "x" * 40, "max_tokens": 30}, 400, "prompt"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 5}, 400, "n"),                       # 5 completions > --max-batch 4
+    ({"prompt": ["a", "b"], "n": 3}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": "2"}, 400, "logprobs"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "model": "someone-else"}, 404, "model"),
 ])
 def test_bad_requests_get_4xx_with_a_clear_message(server, body, status, param):
