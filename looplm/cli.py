@@ -142,11 +142,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     options: dict[str, Any] = dict(
         exit=args.exit, prefill_cache=args.prefill_cache, decode_cache=args.decode_cache, missing=args.missing_kv,
         speculative=args.speculative, top_k=args.top_k, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, stop=args.stop)
+        repetition_penalty=args.repetition_penalty, stop=args.stop, logprobs=args.logprobs)
     if args.no_cache:  # the slow reference: recompute the whole sequence for every token (sampling.py)
         from .sampling import generate_text
         defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
-                        top_p=1.0, repetition_penalty=1.0, stop=[])
+                        top_p=1.0, repetition_penalty=1.0, stop=[], logprobs=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
             from .halting import parse_exit_policy
@@ -293,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (1 = off)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="report each token's log-probability and the N likeliest tokens' (with --json)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 

@@ -690,12 +690,18 @@ def test_cli_generate_json(run_dir, capsys):
     assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "8", "--json",
                  "--exit", "kl:0.01", "--decode-cache", "average", "--missing-kv", "mask"]) == 0
     assert len(json.loads(capsys.readouterr().out)["rounds_used"]) == 8
+    assert "logprobs" not in out
+    assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "8", "--json", "--logprobs", "2"]) == 0
+    lp = json.loads(capsys.readouterr().out)
+    assert lp["tokens"] == out["tokens"] and len(lp["logprobs"]) == 8
+    assert [top[0][0] for top in lp["top_logprobs"]] == out["tokens"]          # greedy: the likeliest token
 
 
 @pytest.mark.parametrize("args", [
     ["--decode-cache", "most"], ["--prefill-cache", "x"], ["--exit", "soon"], ["--speculative", "0:1"], ["--speculative", "exit:2"],
     ["--speculative", "1:2", "--exit", "kl:0.1"], ["--max-new-tokens", "500"], ["--temperature", "-1"],
-    ["--no-cache", "--top-k", "3"], ["--missing-kv", "skip"], ["--top-p", "2"],
+    ["--no-cache", "--top-k", "3"], ["--missing-kv", "skip"], ["--top-p", "2"], ["--logprobs", "21"],
+    ["--no-cache", "--logprobs", "1"], ["--speculative", "1:2", "--logprobs", "1"],
 ])
 def test_cli_generate_bad_input_exits_2_with_one_line(run_dir, capsys, args):
     assert main(["generate", str(run_dir), "--prompt", "hello", *args]) == 2
