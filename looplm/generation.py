@@ -205,6 +205,25 @@ class Engine:
                            top_logprobs=tops[b] if plist[b].logprobs is not None else None)
                 for b in range(len(ids))]
 
+    def prompt_logprobs(self, ids: Sequence[int], top: int = 0, seed: int = 0
+                        ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """Each prompt token's log-probability given the tokens before it (None for the first) and
+        the `top` likeliest tokens' at its position (None for the first), as this engine's prefill
+        computes them (the server's `echo` with `logprobs`; `seed`: a random initial state's)."""
+        ids = [int(t) for t in ids]
+        ref = next(self.model.parameters())
+        with torch.inference_mode():
+            cache = self.new_cache(1, len(ids))
+            noise = self._noise([SamplingParams(seed=seed)], ref)
+            idx = torch.tensor([ids], dtype=torch.long, device=ref.device)
+            if self.adaptive and self.policy.exit_in_prefill:      # prompt tokens exit: column by column
+                logits = torch.cat([self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)[0]
+                                    for c in range(len(ids))])                                      # (T, V)
+            else:
+                logits = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise, all_logits=True)[0][0]
+            got = token_logprobs(logits[:-1], ids[1:], [top] * (len(ids) - 1)) if len(ids) > 1 else []
+        return [None] + [lp for lp, _ in got], [None] + [t for _, t in got]
+
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
         c = self.config
         p = next(self.model.parameters())

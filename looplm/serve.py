@@ -32,11 +32,17 @@ whole context (bench-s: 4 MiB a row), allocated when the batch starts.
 With `--speculative` every prompt is a batch of one row (speculation is batch-1), and batches
 advance one verification each in turn.
 
-`n` gives that many choices per prompt (choice j samples with seed + j); `logprobs: N` (at most
-5) reports each token's log-probability under the model (raw logits: before the penalty and
-temperature) and the N likeliest, in OpenAI's legacy shape (`tokens`, `token_logprobs`,
-`top_logprobs`, `text_offset`; a token that holds part of a character is shown as
-"bytes:\\xNN"); `echo` and presence/frequency penalties get a 400 that names them.
+A prompt is text, a list of texts, token ids or a list of token-id lists. `n` gives that many
+choices per prompt (choice j samples with seed + j); `logprobs: N` (at most 5) reports each
+token's log-probability under the model (raw logits: before the penalty and temperature) and
+the N likeliest, in OpenAI's legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
+`text_offset`; a token that holds part of a character is shown as "bytes:\\xNN"). `echo`
+puts the prompt before the completion, with its tokens' log-probabilities when asked (the
+first token's is null; they are computed by a separate one-row prefill when the request
+arrives), and `max_tokens: 0` with `echo` scores a prompt without generating. With
+`/tokenizer_info`, `/tokenize` and `/detokenize` (vLLM's shapes) that is what
+lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks. Presence and
+frequency penalties get a 400 that names them.
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -56,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from .errors import UserError
 from .generation import Engine, SamplingParams
+from .tokenizer import EOS_TOKEN
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,13 +212,25 @@ class _Batch:
         return not self.run.finished
 
 
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    prompt: str
+    add_special_tokens: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    tokens: list[StrictInt]
+
+
 class CompletionRequest(BaseModel):
     """The body of POST /v1/completions (OpenAI's fields; unknown ones are ignored)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: StrictInt = Field(16, ge=1)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    """Text, texts, token ids, or lists of token ids (as lm-evaluation-harness sends them)."""
+    max_tokens: StrictInt = Field(16, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(0, ge=0)
@@ -302,72 +321,137 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm"}]}
 
+    def token_ids(prompt: Any) -> list[list[int]]:
+        """The request's prompts as token ids (UserError naming the problem)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        ids_list = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        if not ids_list or not all(ids_list):
+            raise UserError("prompt: must not be empty")
+        V = engine.cfg.vocab_size
+        for ids in ids_list:
+            if not all(0 <= t < V for t in ids):
+                raise UserError(f"prompt: token ids must lie in [0, {V})")
+            if len(ids) > max_prompt:
+                raise UserError(f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}")
+        return ids_list
+
+    def logprobs_obj(pieces: list[tuple[int, float | None, Any]], before: list[int]) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object for (token, logprob, top) pieces of one choice that
+        follow the tokens `before` (text_offset: characters of the choice's text before each)."""
+        tok = engine.tokenizer
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        ids = list(before)
+        for t, lp, top in pieces:
+            out["tokens"].append(_token_text(tok, t))
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if top is None else {_token_text(tok, a): v for a, v in top})
+            out["text_offset"].append(len(tok.decode(ids)))
+            ids.append(t)
+        return out
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Any:
+        """What a client that tokenizes through this server needs (lm-evaluation-harness's remote backend)."""
+        return {"eos_token": EOS_TOKEN, "eos_token_id": engine.tokenizer.eos_id, "bos_token": None,
+                "pad_token": None, "vocab_size": engine.cfg.vocab_size, "model_max_length": ctx,
+                "tokenizer_class": type(engine.tokenizer).__name__}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Any:
+        ids = engine.tokenizer.encode(req.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Any:
+        if not all(0 <= t < engine.cfg.vocab_size for t in req.tokens):
+            return _error(400, f"tokens: token ids must lie in [0, {engine.cfg.vocab_size})", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                           "model", "not_found_error")
-        for name, ok in (("echo", not req.echo),
-                         ("presence_penalty", req.presence_penalty == 0),
+        for name, ok in (("presence_penalty", req.presence_penalty == 0),
                          ("frequency_penalty", req.frequency_penalty == 0)):
             if not ok:
                 return _error(400, f"{name}: not supported by this server (use the default)", name)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts or len(prompts) * req.n > limits.max_batch:
-            return _error(400, f"prompt: give one string or a list of strings, at most {limits.max_batch} "
-                               f"completions in all (prompts x n)", "prompt" if req.n == 1 else "n")
         if req.max_tokens > limits.max_tokens:
             return _error(400, f"max_tokens: {req.max_tokens} exceeds this server's limit of {limits.max_tokens}",
                           "max_tokens")
-        ids_list = []
-        for p in prompts:
-            ids = engine.tokenizer.encode(p)
-            if not ids:
-                return _error(400, "prompt: must not be empty", "prompt")
-            if len(ids) > max_prompt:
-                return _error(400, f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}", "prompt")
-            if len(ids) + req.max_tokens > ctx:
-                return _error(400, f"prompt: {len(ids)} tokens + max_tokens {req.max_tokens} exceed the model "
-                                   f"context of {ctx}", "prompt")
-            ids_list.append(ids)
+        if req.max_tokens == 0 and not req.echo:
+            return _error(400, "max_tokens: 0 only with echo (to score a prompt)", "max_tokens")
         seed = _seed(req.seed, req.temperature)
-        try:                     # choice j of a prompt samples with seed + j
-            params = [SamplingParams(max_new_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                     top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                     stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs)
-                      for j in range(req.n)]
+        try:
+            ids_list = token_ids(req.prompt)
+            if len(ids_list) * req.n > limits.max_batch:
+                raise UserError(f"{'prompt' if req.n == 1 else 'n'}: at most {limits.max_batch} completions in "
+                                f"all (prompts x n), asked for {len(ids_list) * req.n}")
+            for ids in ids_list:
+                if len(ids) + req.max_tokens > ctx:
+                    raise UserError(f"prompt: {len(ids)} tokens + max_tokens {req.max_tokens} exceed the model "
+                                    f"context of {ctx}")
             if engine.speculative is not None and req.logprobs is not None:
                 raise UserError("logprobs: not reported by a --speculative server")
+            params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
+                                     top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                     stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs)
+                      for j in range(req.n)]                 # choice j of a prompt samples with seed + j
         except UserError as err:
-            field = str(err).split(" ")[0]
+            field = str(err).split(" ")[0].rstrip(":")
             return _error(400, str(err), field)
-        n_rows = len(ids_list) * req.n
+        n_rows = len(ids_list) * req.n                        # choice i: prompt i // n, sample i % n
+        prompt_of = [ids_list[i // req.n] for i in range(n_rows)]
+        echoed: list[list[tuple[int, float | None, Any]]] = [[] for _ in range(n_rows)]
+        if req.echo:                                           # the prompt's own pieces, scored when asked
+            for i, ids in enumerate(prompt_of):
+                lps, tops = (engine.prompt_logprobs(ids, req.logprobs, params[i % req.n].seed)
+                             if req.logprobs is not None else ([None] * len(ids), [None] * len(ids)))
+                echoed[i] = list(zip(ids, lps, tops))
+        rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
+        so_far = [[t for t, _, _ in e] for e in echoed]      # each choice's tokens so far (text_offset)
+
+        def piece(i: int, evs: list[Any], echo: bool = False) -> tuple[str, dict[str, Any] | None]:
+            """Choice i's text and logprobs object for these events (and its echoed prompt first)."""
+            pieces = (echoed[i] if echo else []) + [(ev.token, ev.logprob, ev.top_logprobs or []) for ev in evs]
+            before = [] if echo else so_far[i]
+            lp = logprobs_obj(pieces, before) if req.logprobs is not None else None
+            if not echo:
+                so_far[i] += [ev.token for ev in evs]
+            text = (engine.tokenizer.decode(prompt_of[i]) if echo else "") + "".join(ev.text for ev in evs)
+            return text, lp
+
+        def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                    "choices": choices, **extra}
+
+        n_prompt = sum(map(len, prompt_of))
+        if req.max_tokens == 0:                                # scoring only: the echoed prompt
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": "length", "rounds_used": []}
+                       for i, (t, lp) in enumerate(piece(i, [], echo=True) for i in range(n_rows))]
+            usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+            if not req.stream:
+                return body(choices, usage=usage)
+
+            async def scored() -> Any:
+                for c in choices:
+                    yield f"data: {json.dumps(body([c]))}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(scored(), media_type="text/event-stream")
         if not sched.try_reserve(n_rows):
             return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
                           None, "rate_limit_error")
         events: asyncio.Queue = asyncio.Queue()
         mine = []
-        for i in range(n_rows):  # choice i: prompt i // n, sample i % n
+        for i in range(n_rows):
             def send(ev: Any, i: int = i) -> None:
                 events.put_nowait((i, ev))
-            mine.append(_Row(ids=ids_list[i // req.n], params=params[i % req.n], send=send))
+            mine.append(_Row(ids=prompt_of[i], params=params[i % req.n], send=send))
             sched.submit(mine[-1])
         wake.set()
-        rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
-        so_far: list[list[int]] = [[] for _ in range(n_rows)]     # each choice's tokens (text_offset)
-
-        def logprobs(i: int, evs: list[Any]) -> dict[str, Any] | None:
-            """OpenAI's logprobs object for choice i's events (None when not asked)."""
-            if req.logprobs is None:
-                return None
-            out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            for ev in evs:
-                out["tokens"].append(_token_text(engine.tokenizer, ev.token))
-                out["token_logprobs"].append(ev.logprob)
-                out["top_logprobs"].append({_token_text(engine.tokenizer, t): v for t, v in ev.top_logprobs or []})
-                out["text_offset"].append(len(engine.tokenizer.decode(so_far[i])))
-                so_far[i].append(ev.token)
-            return out
 
         async def rows() -> Any:
             """(choice index, TokenEvent) until every row finished; raises the engine's error."""
@@ -385,40 +469,36 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                     r.cancelled = True
                 sched.release(n_rows)
 
-        def chunk(i: int, ev: Any) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                    "choices": [{"index": i, "text": ev.text, "logprobs": logprobs(i, [ev]),
-                                 "finish_reason": ev.finish_reason}]}
-
         if req.stream:
             async def sse() -> Any:
+                if req.echo:
+                    for i in range(n_rows):
+                        text, lp = piece(i, [], echo=True)
+                        yield f"data: {json.dumps(body([{'index': i, 'text': text, 'logprobs': lp, 'finish_reason': None}]))}\n\n"
                 try:
                     async for i, ev in rows():
-                        yield f"data: {json.dumps(chunk(i, ev))}\n\n"
+                        text, lp = piece(i, [ev])
+                        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
+                        yield f"data: {json.dumps(body([choice]))}\n\n"
                 except Exception as err:
                     yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        texts, toks = [""] * n_rows, [0] * n_rows
-        reasons: list[str | None] = [None] * n_rows
-        rounds: list[list[int]] = [[] for _ in range(n_rows)]
         evs: list[list[Any]] = [[] for _ in range(n_rows)]
         try:
             async for i, ev in rows():
-                texts[i] += ev.text
-                toks[i] += 1
-                rounds[i].append(ev.rounds)
-                reasons[i] = ev.finish_reason or reasons[i]
                 evs[i].append(ev)
         except Exception as err:
             return _error(500, f"generation failed: {err}", None, "server_error")
-        n_prompt = sum(map(len, ids_list)) * req.n
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                "choices": [{"index": i, "text": texts[i], "logprobs": logprobs(i, evs[i]), "finish_reason": reasons[i],
-                             "rounds_used": rounds[i]} for i in range(n_rows)],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": sum(toks),
-                          "total_tokens": n_prompt + sum(toks)}}
+        choices = []
+        for i in range(n_rows):
+            text, lp = piece(i, evs[i], echo=req.echo)
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": evs[i][-1].finish_reason,
+                            "rounds_used": [ev.rounds for ev in evs[i]]})
+        n_out = sum(map(len, evs))
+        return body(choices, usage={"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                    "total_tokens": n_prompt + n_out})
 
     return app
 

@@ -381,6 +381,32 @@ def test_logprobs_are_the_models_distribution_at_each_generated_token():
     assert [ev.logprob for ev in events] == out[0].logprobs
 
 
+@pytest.mark.parametrize("config", [{}, {"exit": "entropy:4.5", "exit_in_prefill": True, "decode_cache": "last"}])
+def test_prompt_logprobs_are_what_the_prefill_computes(config):
+    """Engine.prompt_logprobs (the server's echo): at full depth, log-softmax of a forward pass
+    with the seed's initial state; with exits in the prompt, the logits of the column-by-column
+    prefill that generation runs (its first token is the argmax of the last column's)."""
+    from looplm.model import initial_noise_table
+
+    m = tiny()                                               # random initial state
+    eng = Engine(m, TOK, GenerationConfig(**config))
+    ids = TOK.encode("a somewhat longer prompt")
+    lps, tops = eng.prompt_logprobs(ids, top=3, seed=5)
+    assert lps[0] is None and tops[0] is None and len(lps) == len(tops) == len(ids)
+    if not config:
+        with torch.no_grad():
+            ref = torch.log_softmax(m(torch.tensor([ids]), initial_state=initial_noise_table(m.cfg, 5)[None, :len(ids)])
+                                    .logits[0], -1)
+        for t in range(1, len(ids)):
+            assert abs(lps[t] - float(ref[t - 1, ids[t]])) < 1e-4
+            assert [a for a, _ in tops[t]] == torch.topk(ref[t - 1], 3).indices.tolist()
+    longer, _ = eng.prompt_logprobs(ids + [7], seed=5)             # a later token changes nothing before it
+    assert longer[1:len(ids)] == pytest.approx(lps[1:], abs=1e-5)
+    first = eng.generate([ids[:-1]], SamplingParams(max_new_tokens=1, seed=5, logprobs=1))[0]
+    (tok, val), = first.top_logprobs[0]                               # greedy: the likeliest after ids[:-1]
+    assert tok == first.tokens[0] == tops[-1][0][0] and val == pytest.approx(tops[-1][0][1], abs=1e-5)
+
+
 def test_logprobs_are_refused_with_speculation(model):
     eng = Engine(model, TOK, GenerationConfig(speculative="1:2"))
     with pytest.raises(UserError, match="logprobs"):

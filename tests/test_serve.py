@@ -153,6 +153,48 @@ def test_logprobs_and_n(server):
         assert c["text"] == alone["choices"][0]["text"], i
 
 
+def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
+    """lm-evaluation-harness's local-completions loglikelihood: tokenize through /tokenize, send
+    token ids with echo, logprobs 1 and max_tokens 1, and sum token_logprobs[ctxlen:-1]. That sum
+    is the continuation's log-likelihood under a full forward pass of the served model (same
+    initial loop state: the noise table of the request's seed)."""
+    from looplm.model import initial_noise_table
+    from looplm.serve import _token_text
+
+    base = server["base"]
+    assert httpx.get(f"{base}/tokenizer_info", timeout=10).json()["eos_token"] == "<|eos|>"
+    context = httpx.post(f"{base}/tokenize", json={"prompt": "The loop", "add_special_tokens": False},
+                         timeout=10).json()["tokens"]
+    whole = httpx.post(f"{base}/tokenize", json={"prompt": "The loop runs"}, timeout=10).json()["tokens"]
+    assert httpx.post(f"{base}/detokenize", json={"tokens": whole}, timeout=10).json()["prompt"] == "The loop runs"
+    ask = {"model": server["name"], "prompt": [whole], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+           "seed": 1234, "echo": True}
+    choice = post(server, ask).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith("The loop runs") and len(lp["token_logprobs"]) == len(whole) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"][:4] == [0, 1, 2, 3]
+    got = sum(lp["token_logprobs"][len(context):-1])
+    torch.manual_seed(0)
+    model = looplm.build_model(looplm.load_recipe("quickstart", overrides=TINY)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([whole]), initial_state=initial_noise_table(model.cfg, 1234)[None, :len(whole)]).logits
+    ref = torch.log_softmax(logits[0], -1)
+    assert got == pytest.approx(sum(float(ref[t - 1, whole[t]]) for t in range(len(context), len(whole))), abs=1e-4)
+    greedy = [max(top, key=top.get) for top in lp["top_logprobs"][1:]]      # lm-eval's is_greedy reads these
+    best = [_token_text(ByteTokenizer(), int(ref[t - 1].argmax())) for t in range(1, len(whole))]
+    assert greedy == best + [lp["tokens"][-1]]                              # the generated token: greedy
+    scored = post(server, {**ask, "max_tokens": 0}).json()                 # scoring only: nothing generated
+    assert scored["choices"][0]["text"] == "The loop runs" and scored["usage"]["completion_tokens"] == 0
+    assert scored["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+    texts = []
+    with httpx.stream("POST", f"{base}/v1/completions", json={**ask, "stream": True, "max_tokens": 3}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+    assert texts[0] == "The loop runs" and len(texts) == 4                 # the echo, then one chunk a token
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
@@ -170,7 +212,11 @@ def test_logprobs_and_n(server):
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ({"prompt": "hi", "logprobs": "2"}, 400, "logprobs"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),      # 0 only with echo
+    ({"prompt": [1, 300]}, 400, "prompt"),                        # token ids beyond the vocabulary (257)
+    ({"prompt": [[1, 2], []]}, 400, "prompt"),
+    ({"prompt": [[1, 2], "ab"]}, 400, "prompt"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "hi", "model": "someone-else"}, 404, "model"),
 ])
 def test_bad_requests_get_4xx_with_a_clear_message(server, body, status, param):
