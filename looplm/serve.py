@@ -2,6 +2,7 @@
 
     POST /v1/completions   {"prompt": "...", "max_tokens": 32, "temperature": 0, "stream": false, ...}
     GET  /v1/models        the one model this server holds
+    GET  /tokenizer_info, POST /tokenize, POST /detokenize   the model's tokenizer (vLLM's shapes)
 
 Requests are validated before anything runs (malformed JSON, wrong types, out-of-range values,
 a prompt longer than the limits or the context): the reply is a 4xx with an OpenAI-style
@@ -12,13 +13,13 @@ Concurrency. A `Scheduler` keeps up to `max_batches` batches of the engine runni
 its own cache, rows left-padded; each row samples with its own parameters and seeded generator,
 so a request's output does not depend on its batch mates) and advances them one decode step
 each in turn. A waiting prompt takes a free row of a running batch (each has `max_batch` rows)
-when it fits there (continuous batching: its prompt must fit in the columns that batch will have used
-when its prefill is done, its tokens in the rest of the context), else it starts a new batch with other waiting
-prompts, else it waits. So a short request is not held behind a long one. A new batch prefills
-its prompts `prefill_chunk` columns per tick (under the `full` prefill cache; see DecodeBatch),
-so a long prompt delays the other batches' next tokens by one chunk, not the whole prompt;
-prompts joining a running batch share a budget of `prefill_chunk` columns per tick of that
-batch, after its decode step. The server ticks the
+when it fits there (continuous batching: its prompt must fit in the columns that batch will
+have used when its prefill is done, its tokens in the rest of the context), else it starts a
+new batch with other waiting prompts, else it waits. So a short request is not held behind a
+long one. A new batch prefills its prompts `prefill_chunk` columns per tick (under the `full`
+prefill cache; see DecodeBatch), so a long prompt delays the other batches' next tokens by one
+chunk, not the whole prompt; prompts joining a running batch share a budget of `prefill_chunk`
+columns per tick of that batch, after its decode step. The server ticks the
 scheduler on its event loop between requests (when it was idle, it first waits
 `batch_window_ms` for prompts to arrive together), so every torch call happens on that one
 thread: once two threads of a process have run torch ops, their CPU thread teams compete and
@@ -260,6 +261,50 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return piece
 
 
+class _Choices:
+    """The text and logprobs (OpenAI's legacy shape) of a request's choices: the echoed prompt
+    (`echoed`: per choice, its prompt's (token, logprob, top) pieces; None without echo), then
+    the generated tokens, whole or as they stream (`text_offset` counts the characters of the
+    choice's text before each token)."""
+
+    def __init__(self, tokenizer: Any, prompts: list[list[int]], echoed: list[list[Any]] | None, logprobs: bool):
+        self.tok, self.prompts, self.echoed, self.logprobs = tokenizer, prompts, echoed, logprobs
+        self.so_far = [list(p) if echoed is not None else [] for p in prompts]    # tokens shown so far
+
+    def echo(self, i: int) -> tuple[str, dict[str, Any] | None]:
+        """Choice i's prompt, shown first (before any streamed token)."""
+        assert self.echoed is not None
+        return self.tok.decode(self.prompts[i]), self._logprobs(self.echoed[i], [])
+
+    def more(self, i: int, evs: list[Any]) -> tuple[str, dict[str, Any] | None]:
+        """Choice i's next streamed tokens."""
+        lp = self._logprobs(self._pieces(evs), self.so_far[i])
+        self.so_far[i] += [ev.token for ev in evs]
+        return "".join(ev.text for ev in evs), lp
+
+    def whole(self, i: int, evs: list[Any]) -> tuple[str, dict[str, Any] | None]:
+        """Choice i in one piece: the echoed prompt (if any) and every generated token."""
+        head, pieces = ("", []) if self.echoed is None else (self.tok.decode(self.prompts[i]), self.echoed[i])
+        return head + "".join(ev.text for ev in evs), self._logprobs(pieces + self._pieces(evs), [])
+
+    @staticmethod
+    def _pieces(evs: list[Any]) -> list[tuple[int, float | None, Any]]:
+        return [(ev.token, ev.logprob, ev.top_logprobs or []) for ev in evs]
+
+    def _logprobs(self, pieces: list[tuple[int, float | None, Any]], before: list[int]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        ids = list(before)
+        for t, lp, top in pieces:
+            out["tokens"].append(_token_text(self.tok, t))
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(None if top is None else {_token_text(self.tok, a): v for a, v in top})
+            out["text_offset"].append(len(self.tok.decode(ids)))
+            ids.append(t)
+        return out
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Any:
     from fastapi.responses import JSONResponse
     return JSONResponse(status_code=status,
@@ -338,20 +383,6 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                 raise UserError(f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}")
         return ids_list
 
-    def logprobs_obj(pieces: list[tuple[int, float | None, Any]], before: list[int]) -> dict[str, Any]:
-        """OpenAI's legacy logprobs object for (token, logprob, top) pieces of one choice that
-        follow the tokens `before` (text_offset: characters of the choice's text before each)."""
-        tok = engine.tokenizer
-        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        ids = list(before)
-        for t, lp, top in pieces:
-            out["tokens"].append(_token_text(tok, t))
-            out["token_logprobs"].append(lp)
-            out["top_logprobs"].append(None if top is None else {_token_text(tok, a): v for a, v in top})
-            out["text_offset"].append(len(tok.decode(ids)))
-            ids.append(t)
-        return out
-
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Any:
         """What a client that tokenizes through this server needs (lm-evaluation-harness's remote backend)."""
@@ -412,17 +443,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                              if req.logprobs is not None else ([None] * len(ids), [None] * len(ids)))
                 echoed[i] = list(zip(ids, lps, tops))
         rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
-        so_far = [[t for t, _, _ in e] for e in echoed]      # each choice's tokens so far (text_offset)
-
-        def piece(i: int, evs: list[Any], echo: bool = False) -> tuple[str, dict[str, Any] | None]:
-            """Choice i's text and logprobs object for these events (and its echoed prompt first)."""
-            pieces = (echoed[i] if echo else []) + [(ev.token, ev.logprob, ev.top_logprobs or []) for ev in evs]
-            before = [] if echo else so_far[i]
-            lp = logprobs_obj(pieces, before) if req.logprobs is not None else None
-            if not echo:
-                so_far[i] += [ev.token for ev in evs]
-            text = (engine.tokenizer.decode(prompt_of[i]) if echo else "") + "".join(ev.text for ev in evs)
-            return text, lp
+        out = _Choices(engine.tokenizer, prompt_of, echoed if req.echo else None, req.logprobs is not None)
 
         def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
@@ -431,7 +452,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         n_prompt = sum(map(len, prompt_of))
         if req.max_tokens == 0:                                # scoring only: the echoed prompt
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": "length", "rounds_used": []}
-                       for i, (t, lp) in enumerate(piece(i, [], echo=True) for i in range(n_rows))]
+                       for i, (t, lp) in enumerate(out.echo(i) for i in range(n_rows))]
             usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
             if not req.stream:
                 return body(choices, usage=usage)
@@ -473,11 +494,11 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             async def sse() -> Any:
                 if req.echo:
                     for i in range(n_rows):
-                        text, lp = piece(i, [], echo=True)
+                        text, lp = out.echo(i)
                         yield f"data: {json.dumps(body([{'index': i, 'text': text, 'logprobs': lp, 'finish_reason': None}]))}\n\n"
                 try:
                     async for i, ev in rows():
-                        text, lp = piece(i, [ev])
+                        text, lp = out.more(i, [ev])
                         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
                         yield f"data: {json.dumps(body([choice]))}\n\n"
                 except Exception as err:
@@ -493,7 +514,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _error(500, f"generation failed: {err}", None, "server_error")
         choices = []
         for i in range(n_rows):
-            text, lp = piece(i, evs[i], echo=req.echo)
+            text, lp = out.whole(i, evs[i])
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": evs[i][-1].finish_reason,
                             "rounds_used": [ev.rounds for ev in evs[i]]})
         n_out = sum(map(len, evs))
