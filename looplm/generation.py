@@ -641,6 +641,7 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                      rounds: int | None = None, exit: str | None = None, prefill_cache: str | None = None,
                      decode_cache: str | None = None, missing: str | None = None, speculative: str | None = None,
                      top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                      stop: Sequence[str] = (), logprobs: int | None = None) -> dict[str, Any]:
     """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details."""
     overrides = {k: v for k, v in dict(rounds=rounds, exit=exit, prefill_cache=prefill_cache,
@@ -648,7 +649,8 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                                        speculative=speculative).items() if v is not None}
     engine = Engine.from_run(run, **overrides)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                            top_p=top_p, repetition_penalty=repetition_penalty, stop=tuple(stop), logprobs=logprobs)
+                            top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, stop=tuple(stop), logprobs=logprobs)
     out = engine.generate([prompt], params)[0]
     st = out.stats
     result = {"text": out.text, "tokens": out.tokens, "rounds_used": out.rounds_used,

@@ -32,6 +32,10 @@ class SamplingParams:
     """Sample only from the smallest set of tokens whose probability reaches top_p (1 = off)."""
     repetition_penalty: float = 1.0
     """CTRL penalty on tokens already in the prompt or output: positive logits / p, negative * p (1 = off)."""
+    presence_penalty: float = 0.0
+    """OpenAI's: subtracted from the logit of every token the output already holds ([-2, 2]; 0 = off)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: subtracted from a token's logit once per time the output already holds it ([-2, 2]; 0 = off)."""
     stop: tuple[str, ...] = ()
     """Generation ends when the text contains one of these; the text is cut before it."""
     seed: int = 0
@@ -57,6 +61,9 @@ class SamplingParams:
             raise bad("top_p", "must be a number in (0, 1]", self.top_p)
         if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise bad("repetition_penalty", "must be a number in (0, 100] (1 = off)", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be a number in [-2, 2] (0 = off)", getattr(self, name))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be at most 16 non-empty strings", self.stop)
@@ -71,6 +78,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def counts_output(self) -> bool:
+        """Whether the presence or frequency penalty needs the output's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -81,31 +93,41 @@ def is_num(x: Any) -> bool:
 
 
 class Sampler:
-    """Per-row sampling: repetition penalty, temperature, top-k, top-p, a seeded generator per row."""
+    """Per-row sampling: repetition, presence and frequency penalties, temperature, top-k, top-p,
+    a seeded generator per row."""
 
     def __init__(self, plist: list[SamplingParams], prompts: list[list[int]], vocab: int, device: torch.device):
         self.plist, self.V, self.device = list(plist), vocab, device
         self.gens = [torch.Generator().manual_seed(sp.seed) for sp in plist]
         self.seen: Tensor | None = None            # (B, V) tokens in each row's prompt and output
         self.penalty: Tensor | None = None         # (B, 1)
+        self.counts: Tensor | None = None          # (B, V) times each token is in each row's output
+        self.pres_freq: Tensor | None = None       # (B, 2) presence and frequency penalties
         self._prompts = [list(p) for p in prompts]
         self._update_kinds()
 
     def _update_kinds(self) -> None:
-        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 for sp in self.plist)
+        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 and not sp.counts_output for sp in self.plist)
         if self.seen is None and any(sp.repetition_penalty != 1.0 for sp in self.plist):
             self.seen = torch.zeros(len(self.plist), self.V, dtype=torch.bool, device=self.device)
             for b, p in enumerate(self._prompts):
                 self.seen[b, torch.tensor(p, dtype=torch.long)] = True
             self.penalty = torch.tensor([[sp.repetition_penalty] for sp in self.plist], device=self.device)
+        if self.counts is None and any(sp.counts_output for sp in self.plist):
+            self.counts = torch.zeros(len(self.plist), self.V, device=self.device)
+            self.pres_freq = torch.tensor([[sp.presence_penalty, sp.frequency_penalty] for sp in self.plist],
+                                          device=self.device)
 
     def set_row(self, b: int, sp: SamplingParams, prompt: list[int]) -> None:
-        """Row b now serves a new request (its own parameters, seed and seen tokens)."""
+        """Row b now serves a new request (its own parameters, seed, seen tokens and counts)."""
         self.plist[b], self.gens[b], self._prompts[b] = sp, torch.Generator().manual_seed(sp.seed), list(prompt)
         if self.seen is not None and self.penalty is not None:
             self.seen[b] = False
             self.seen[b, torch.tensor(prompt, dtype=torch.long)] = True
             self.penalty[b] = sp.repetition_penalty
+        if self.counts is not None and self.pres_freq is not None:
+            self.counts[b] = 0
+            self.pres_freq[b] = torch.tensor([sp.presence_penalty, sp.frequency_penalty])
         self._update_kinds()
 
     def __call__(self, logits: Tensor, rows: list[int] | None = None) -> Tensor:
@@ -116,6 +138,8 @@ class Sampler:
         logits = logits.float()
         if self.seen is not None and self.penalty is not None:
             logits = penalise(logits, self.seen[rows], self.penalty[rows])
+        if self.counts is not None and self.pres_freq is not None:
+            logits = penalise_counts(logits, self.counts[rows], self.pres_freq[rows])
         out = logits.argmax(-1)
         for j, b in enumerate(rows):
             sp = self.plist[b]
@@ -126,13 +150,17 @@ class Sampler:
 
     def observe(self, tokens: Tensor, rows: list[int] | None = None) -> None:
         """Tokens (B',) of `rows` (default all) join their rows' seen sets."""
+        idx = torch.arange(tokens.shape[0]) if rows is None else torch.tensor(rows)
         if self.seen is not None:
-            idx = torch.arange(tokens.shape[0]) if rows is None else torch.tensor(rows)
             self.seen[idx, tokens] = True
+        if self.counts is not None:
+            self.counts[idx, tokens] += 1
 
     def observe_one(self, tok: int) -> None:
         if self.seen is not None:
             self.seen[0, tok] = True
+        if self.counts is not None:
+            self.counts[0, tok] += 1
 
     # batch-1 helpers for speculative decoding: `extra` are tokens drafted after the committed ones
     def _processed(self, logits: Tensor, extra: list[int]) -> Tensor:
@@ -143,6 +171,11 @@ class Sampler:
                 seen[torch.tensor(extra)] = True
             assert self.penalty is not None
             logits = penalise(logits[None], seen[None], self.penalty[:1])[0]
+        if self.counts is not None and self.pres_freq is not None:
+            counts = self.counts[0].clone()
+            for t in extra:
+                counts[t] += 1
+            logits = penalise_counts(logits[None], counts[None], self.pres_freq[:1])[0]
         return logits
 
     def pick(self, logits: Tensor, extra: list[int]) -> tuple[int, Tensor | None]:
@@ -191,6 +224,11 @@ def token_logprobs(logits: Tensor, tokens: list[int], top: list[int]) -> list[tu
 def penalise(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
     """CTRL repetition penalty on tokens seen so far: (B, V), (B, V) bool, (B, 1)."""
     return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def penalise_counts(logits: Tensor, counts: Tensor, pres_freq: Tensor) -> Tensor:
+    """OpenAI's presence and frequency penalties: (B, V), (B, V) output counts, (B, 2)."""
+    return logits - pres_freq[:, :1] * (counts > 0) - pres_freq[:, 1:] * counts
 
 
 def sampling_probs(logits: Tensor, sp: SamplingParams) -> Tensor:

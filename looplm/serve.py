@@ -42,8 +42,8 @@ puts the prompt before the completion, with its tokens' log-probabilities when a
 first token's is null; they are computed by a separate one-row prefill when the request
 arrives), and `max_tokens: 0` with `echo` scores a prompt without generating. With
 `/tokenizer_info`, `/tokenize` and `/detokenize` (vLLM's shapes) that is what
-lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks. Presence and
-frequency penalties get a 400 that names them.
+lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks.
+`presence_penalty` and `frequency_penalty` are OpenAI's (on the output's tokens so far).
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -242,8 +242,8 @@ class CompletionRequest(BaseModel):
     n: StrictInt = Field(1, ge=1)
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
 
 
 def _seed(seed: int | None, temperature: float) -> int:
@@ -406,10 +406,6 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                           "model", "not_found_error")
-        for name, ok in (("presence_penalty", req.presence_penalty == 0),
-                         ("frequency_penalty", req.frequency_penalty == 0)):
-            if not ok:
-                return _error(400, f"{name}: not supported by this server (use the default)", name)
         if req.max_tokens > limits.max_tokens:
             return _error(400, f"max_tokens: {req.max_tokens} exceeds this server's limit of {limits.max_tokens}",
                           "max_tokens")
@@ -429,6 +425,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                 raise UserError("logprobs: not reported by a --speculative server")
             params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                      stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs)
                       for j in range(req.n)]                 # choice j of a prompt samples with seed + j
         except UserError as err:

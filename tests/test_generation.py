@@ -407,6 +407,31 @@ def test_prompt_logprobs_are_what_the_prefill_computes(config):
     assert tok == first.tokens[0] == tops[-1][0][0] and val == pytest.approx(tops[-1][0][1], abs=1e-5)
 
 
+def test_presence_and_frequency_penalties_match_a_hand_computed_loop():
+    """OpenAI's penalties on the output so far: each greedy token is the argmax of the forward
+    pass's logits minus presence * [count > 0] minus frequency * count, computed here by hand;
+    a row without penalties in the same batch is unaffected, and speculation agrees."""
+    m = tiny(**{"model.init_state": "prelude"})
+    eng = Engine(m, TOK, GenerationConfig())
+    pen = SamplingParams(max_new_tokens=16, presence_penalty=0.7, frequency_penalty=1.3, stop_at_eos=False)
+    plain = SamplingParams(max_new_tokens=16, stop_at_eos=False)
+    got = eng.generate(["hello", "hello"], [pen, plain])
+    for sp, out in zip((pen, plain), got):
+        seq, counts = TOK.encode("hello"), torch.zeros(m.cfg.vocab_size)
+        want = []
+        for _ in range(16):
+            with torch.no_grad():
+                logits = m(torch.tensor([seq])).logits[0, -1]
+            tok = int((logits - sp.presence_penalty * (counts > 0) - sp.frequency_penalty * counts).argmax())
+            want.append(tok)
+            counts[tok] += 1
+            seq.append(tok)
+        assert out.tokens == want
+    assert got[0].tokens != got[1].tokens                         # the penalties changed something
+    spec = Engine(m, TOK, GenerationConfig(speculative="1:3")).generate(["hello"], pen)[0]
+    assert spec.tokens == got[0].tokens
+
+
 def test_logprobs_are_refused_with_speculation(model):
     eng = Engine(model, TOK, GenerationConfig(speculative="1:2"))
     with pytest.raises(UserError, match="logprobs"):

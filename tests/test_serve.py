@@ -216,7 +216,8 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
     ({"prompt": [1, 300]}, 400, "prompt"),                        # token ids beyond the vocabulary (257)
     ({"prompt": [[1, 2], []]}, 400, "prompt"),
     ({"prompt": [[1, 2], "ab"]}, 400, "prompt"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": "x"}, 400, "frequency_penalty"),
     ({"prompt": "hi", "model": "someone-else"}, 404, "model"),
 ])
 def test_bad_requests_get_4xx_with_a_clear_message(server, body, status, param):
