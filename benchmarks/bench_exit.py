@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python benchmarks/bench_exit.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     result = {
         "command": cmd.strip(),
-        "run": run_path if tmp is None else (f"ouro-style trained in a temp folder"
+        "run": run_path if tmp is None else ("ouro-style trained in a temp folder"
                                              + (f", then {args.stage2_steps} stage-II steps" if args.stage2_steps else "")),
         "threads": args.threads, "rounds_budget": R, "tokens": tokens, "repeats": args.repeats,
         "policy": policy, "mean_rounds_used": used,

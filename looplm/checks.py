@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 
 from .checkpoint import Run
-from .config import Recipe
 from .model import LoopedLM, build_model
 
 

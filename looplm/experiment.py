@@ -356,7 +356,7 @@ def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
            "so whether more rounds solve longer chains is what the tables below test.", ""]
           if rec["data"].get("round_targets") == "trace" else []),
         "## Summary", "", *[f"- {s}" for s in summary_lines(result)],
-        *([f"- guessing among the prompt's digits would score: " + ", ".join(
+        *(["- guessing among the prompt's digits would score: " + ", ".join(
             f"difficulty {k}: {100 * v:.0f}%" for k, v in result["digit_guess_baseline"].items())]
           if result.get("digit_guess_baseline") else []), "",
         "## Models", "", "| model | stored params | block visits per token | train wall s | final train loss |",

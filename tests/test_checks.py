@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import looplm
-from looplm.checks import check_backward_window, check_causality, check_untied_parity, run_checks
+from looplm.checks import check_backward_window, check_causality, check_untied_parity
 from looplm.cli import main
 from looplm.train import train
 

@@ -648,10 +648,10 @@ def test_streams_advanced_in_turn_equal_each_alone_and_keep_the_callers_mode(mod
     got: list[dict[int, list[int]]] = [{}, {}]
     live = [True, True]
     while any(live):
-        for i, st in enumerate(streams):
+        for i, stream in enumerate(streams):
             if not live[i]:
                 continue
-            ev = next(st, None)
+            ev = next(stream, None)
             if ev is None:
                 live[i] = False
                 continue

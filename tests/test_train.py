@@ -26,7 +26,7 @@ def losses(run_dir):
 
 def test_run_folder_and_report(tmp_path, text_dir):
     rec = tiny_recipe(**SAMPLED, **{"data.path": str(text_dir)})
-    report = train(rec, tmp_path / "run", quiet=True)
+    train(rec, tmp_path / "run", quiet=True)
     run = tmp_path / "run"
     for name in ["recipe.toml", "checkpoint/model.safetensors", "checkpoint/state.pt", "metrics.jsonl",
                  "report.json", "report.md", "loss.png", "val_by_rounds.png", "depth_histograms.png"]:
