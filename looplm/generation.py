@@ -173,8 +173,6 @@ class Engine:
     def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
               capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
         if self.speculative is not None:
-            if any(sp.logprobs is not None for sp in plist):
-                raise UserError("logprobs: not reported under --speculative (drop one of them)")
             return SpeculativeRun(self, ids, plist, deltas)
         return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 

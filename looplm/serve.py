@@ -421,8 +421,6 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                 if len(ids) + req.max_tokens > ctx:
                     raise UserError(f"prompt: {len(ids)} tokens + max_tokens {req.max_tokens} exceed the model "
                                     f"context of {ctx}")
-            if engine.speculative is not None and req.logprobs is not None:
-                raise UserError("logprobs: not reported by a --speculative server")
             params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

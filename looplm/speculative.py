@@ -27,7 +27,7 @@ from torch import Tensor
 from .cache import LoopKVCache
 from .engine import unroll
 from .errors import UserError
-from .sampler import RowText, Sampler, SamplingParams, TokenEvent
+from .sampler import RowText, Sampler, SamplingParams, TokenEvent, token_logprobs
 
 if TYPE_CHECKING:
     from .generation import Engine
@@ -96,17 +96,23 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     t0 = time.perf_counter()
     logits, _ = engine.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
                                  noise=noise)
+    def logprobs(rows: Tensor, toks: list[int]) -> list[Any]:
+        """(token logprob, top) of each emitted token from the full-depth logits that chose it."""
+        return token_logprobs(rows, toks, [sp.logprobs] * len(toks)) if sp.logprobs is not None else [None] * len(toks)
+
     pending = int(sampler(logits)[0])
+    emit_lp = logprobs(logits, [pending])
     t1 = time.perf_counter()
     stats.update(prefill_s=t1 - t0, ttft_s=t1 - t0, prefill_tokens_per_s=P / max(t1 - t0, 1e-9))
     emit, col = [pending], P          # emit: tokens to hand out; pending sits at column col
     decode_start, cpu_start = t1, time.process_time()
     while True:
         events = []
-        for tok in emit:
+        for tok, lp in zip(emit, emit_lp):
             n_out += 1
             delta, reason = text.add(tok, tok == eos, n_out >= sp.max_new_tokens)
-            events.append(TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason))
+            events.append(TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason,
+                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None))
             if reason:
                 break
             sampler.observe_one(tok)
@@ -142,6 +148,7 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
         spec["accepted"] += accepted
         cache.truncate(col + accepted + 1)
         emit = drafts[:accepted] + [nxt]
+        emit_lp = logprobs(lg[0, :accepted + 1], emit)
         pending, col = nxt, col + accepted + 1
     decode_s = time.perf_counter() - decode_start
     n_dec = max(n_out - 1, 0)

@@ -432,10 +432,16 @@ def test_presence_and_frequency_penalties_match_a_hand_computed_loop():
     assert spec.tokens == got[0].tokens
 
 
-def test_logprobs_are_refused_with_speculation(model):
-    eng = Engine(model, TOK, GenerationConfig(speculative="1:2"))
-    with pytest.raises(UserError, match="logprobs"):
-        eng.generate(["hi"], SamplingParams(max_new_tokens=3, logprobs=1))
+@pytest.mark.parametrize("spec", ["1:2", "2:3"])
+def test_speculative_logprobs_are_plain_decodings(model, spec):
+    """Each emitted token's logprob comes from the full-depth logits that chose it (the prefill's
+    or the verifier's), which are plain decoding's: the same figures as plain greedy decoding."""
+    sp = SamplingParams(max_new_tokens=14, logprobs=2, stop_at_eos=False)
+    plain = Engine(model, TOK, GenerationConfig()).generate(["The loop"], sp)[0]
+    fast = Engine(model, TOK, GenerationConfig(speculative=spec)).generate(["The loop"], sp)[0]
+    assert fast.tokens == plain.tokens and fast.stats["speculative"]["accepted"] > 0
+    assert fast.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+    assert [[t for t, _ in top] for top in fast.top_logprobs] == [[t for t, _ in top] for top in plain.top_logprobs]
     with pytest.raises(UserError, match="logprobs"):
         SamplingParams(logprobs=21)
 
@@ -752,7 +758,7 @@ def test_cli_generate_json(run_dir, capsys):
     ["--decode-cache", "most"], ["--prefill-cache", "x"], ["--exit", "soon"], ["--speculative", "0:1"], ["--speculative", "exit:2"],
     ["--speculative", "1:2", "--exit", "kl:0.1"], ["--max-new-tokens", "500"], ["--temperature", "-1"],
     ["--no-cache", "--top-k", "3"], ["--missing-kv", "skip"], ["--top-p", "2"], ["--logprobs", "21"],
-    ["--no-cache", "--logprobs", "1"], ["--speculative", "1:2", "--logprobs", "1"],
+    ["--no-cache", "--logprobs", "1"],
 ])
 def test_cli_generate_bad_input_exits_2_with_one_line(run_dir, capsys, args):
     assert main(["generate", str(run_dir), "--prompt", "hello", *args]) == 2
