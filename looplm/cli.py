@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--speculative", metavar="ROUNDS:K",
                     help="self-speculative decoding for every request (one row per batch; batches run in turn)")
     sv.add_argument("--prefill-chunk", type=int, default=64,
-                    help="prompt columns a new batch prefills per tick, other batches step in between (0 = all)")
+                    help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
+                         "(other rows step in between; 0 = a whole prompt at once)")
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     sv.set_defaults(func=cmd_serve)
 
