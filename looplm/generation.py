@@ -203,24 +203,32 @@ class Engine:
                            top_logprobs=tops[b] if plist[b].logprobs is not None else None)
                 for b in range(len(ids))]
 
-    def prompt_logprobs(self, ids: Sequence[int], top: int = 0, seed: int = 0
-                        ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-        """Each prompt token's log-probability given the tokens before it (None for the first) and
-        the `top` likeliest tokens' at its position (None for the first), as this engine's prefill
-        computes them (the server's `echo` with `logprobs`; `seed`: a random initial state's)."""
-        ids = [int(t) for t in ids]
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0, seeds: Sequence[int] | None = None
+                        ) -> list[tuple[list[float | None], list[list[tuple[int, float]] | None]]]:
+        """Per prompt: each token's log-probability given the tokens before it and the `top`
+        likeliest tokens' at its position (None for the first token), as this engine's prefill
+        computes them, all prompts as one left-padded batch (the server's `echo` with `logprobs`;
+        `seeds`: each row's random initial state, default 0)."""
+        ids = [[int(t) for t in p] for p in prompts]
         ref = next(self.model.parameters())
+        B, P = len(ids), max(map(len, ids))
+        idx = torch.zeros(B, P, dtype=torch.long, device=ref.device)       # left-padded, as DecodeBatch
+        for b, p in enumerate(ids):
+            idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        pad = torch.tensor([P - len(p) for p in ids], dtype=torch.long, device=ref.device)
         with torch.inference_mode():
-            cache = self.new_cache(1, len(ids))
-            noise = self._noise([SamplingParams(seed=seed)], ref)
-            idx = torch.tensor([ids], dtype=torch.long, device=ref.device)
+            cache = self.new_cache(B, P, pad)
+            noise = self._noise([SamplingParams(seed=sd) for sd in (seeds or [0] * B)], ref)
             if self.adaptive and self.policy.exit_in_prefill:      # prompt tokens exit: column by column
-                logits = torch.cat([self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)[0]
-                                    for c in range(len(ids))])                                      # (T, V)
+                logits = torch.stack([self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)[0]
+                                      for c in range(P)], 1)                                     # (B, P, V)
             else:
-                logits = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise, all_logits=True)[0][0]
-            got = token_logprobs(logits[:-1], ids[1:], [top] * (len(ids) - 1)) if len(ids) > 1 else []
-        return [None] + [lp for lp, _ in got], [None] + [t for _, t in got]
+                logits = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise, all_logits=True)[0]
+            out = []
+            for b, p in enumerate(ids):        # the logits at column c predict the token at c + 1
+                got = token_logprobs(logits[b, P - len(p):P - 1], p[1:], [top] * (len(p) - 1)) if len(p) > 1 else []
+                out.append(([None] + [lp for lp, _ in got], [None] + [t for _, t in got]))
+        return out
 
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
         c = self.config

@@ -431,12 +431,11 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _error(400, str(err), field)
         n_rows = len(ids_list) * req.n                        # choice i: prompt i // n, sample i % n
         prompt_of = [ids_list[i // req.n] for i in range(n_rows)]
-        echoed: list[list[tuple[int, float | None, Any]]] = [[] for _ in range(n_rows)]
+        echoed: list[list[tuple[int, float | None, Any]]] = [[] for _ in range(n_rows)]    # (token, logprob, top)
         if req.echo:                                           # the prompt's own pieces, scored when asked
-            for i, ids in enumerate(prompt_of):
-                lps, tops = (engine.prompt_logprobs(ids, req.logprobs, params[i % req.n].seed)
-                             if req.logprobs is not None else ([None] * len(ids), [None] * len(ids)))
-                echoed[i] = list(zip(ids, lps, tops))
+            scored = (engine.prompt_logprobs(prompt_of, req.logprobs, [params[i % req.n].seed for i in range(n_rows)])
+                      if req.logprobs is not None else [([None] * len(p), [None] * len(p)) for p in prompt_of])
+            echoed = [list(zip(ids, lps, tops)) for ids, (lps, tops) in zip(prompt_of, scored)]
         rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
         out = _Choices(engine.tokenizer, prompt_of, echoed if req.echo else None, req.logprobs is not None)
 

@@ -391,7 +391,7 @@ def test_prompt_logprobs_are_what_the_prefill_computes(config):
     m = tiny()                                               # random initial state
     eng = Engine(m, TOK, GenerationConfig(**config))
     ids = TOK.encode("a somewhat longer prompt")
-    lps, tops = eng.prompt_logprobs(ids, top=3, seed=5)
+    (lps, tops), = eng.prompt_logprobs([ids], top=3, seeds=[5])
     assert lps[0] is None and tops[0] is None and len(lps) == len(tops) == len(ids)
     if not config:
         with torch.no_grad():
@@ -400,8 +400,11 @@ def test_prompt_logprobs_are_what_the_prefill_computes(config):
         for t in range(1, len(ids)):
             assert abs(lps[t] - float(ref[t - 1, ids[t]])) < 1e-4
             assert [a for a, _ in tops[t]] == torch.topk(ref[t - 1], 3).indices.tolist()
-    longer, _ = eng.prompt_logprobs(ids + [7], seed=5)             # a later token changes nothing before it
+    (longer, _), = eng.prompt_logprobs([ids + [7]], seeds=[5])      # a later token changes nothing before it
     assert longer[1:len(ids)] == pytest.approx(lps[1:], abs=1e-5)
+    batch = eng.prompt_logprobs([ids[:5], ids, [9]], top=3, seeds=[1, 5, 2])     # left-padded: the same per row
+    assert batch[1][0][1:] == pytest.approx(lps[1:], abs=1e-5) and batch[2] == ([None], [None])
+    assert batch[0][0][1:] == pytest.approx(eng.prompt_logprobs([ids[:5]], seeds=[1])[0][0][1:], abs=1e-5)
     first = eng.generate([ids[:-1]], SamplingParams(max_new_tokens=1, seed=5, logprobs=1))[0]
     (tok, val), = first.top_logprobs[0]                               # greedy: the likeliest after ids[:-1]
     assert tok == first.tokens[0] == tops[-1][0][0] and val == pytest.approx(tops[-1][0][1], abs=1e-5)
