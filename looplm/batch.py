@@ -27,6 +27,17 @@ if TYPE_CHECKING:
     from .generation import Engine
 
 
+def left_padded(ids: Sequence[Sequence[int]], device: Any, rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """Prompts of different lengths as one (n, P) batch, right-aligned (left-padded with 0), and
+    each row's first real column (B,); `rows` > n adds free rows whose first column is P."""
+    n, P = len(ids), max(map(len, ids))
+    idx = torch.zeros(n, P, dtype=torch.long, device=device)
+    for b, p in enumerate(ids):
+        idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+    pad = [P - len(p) for p in ids] + [P] * ((rows or n) - n)
+    return idx, torch.tensor(pad, dtype=torch.long, device=device)
+
+
 class DecodeBatch:
     """Rows decoded together, one step at a time; a new prompt can take a free row.
 
@@ -36,9 +47,10 @@ class DecodeBatch:
     the `capacity` rows beyond the starting prompts), right-aligned so that its prompt ends just
     before the column the running rows write next, and returns the row and its first token's
     events, or None when no row is free or it does not fit (its prompt must fit in the columns so
-    far and its tokens in the rest; with chunked prefill, see below). `Engine.stream` drives one batch to the end; the server keeps
-    several and lets new requests join them (continuous batching). The engine's work runs in
-    inference mode inside each call, never in the caller's code.
+    far and its tokens in the rest; with chunked prefill, see below). `Engine.stream` drives one
+    batch to the end; the server keeps several and lets new requests join them (continuous
+    batching). The engine's work runs in inference mode inside each call, never in the caller's
+    code.
 
     Chunked prefill (`prefill_chunk`): the starting prompts are prefilled that many columns per
     step (the earlier steps return no events). Attention is the same as one chunk only under the
@@ -69,10 +81,7 @@ class DecodeBatch:
         if B < n:
             raise ValueError(f"capacity {capacity}: fewer rows than the {n} prompts")
         self.B, self.n_start = B, n
-        self.idx = torch.zeros(n, P, dtype=torch.long, device=ref.device)     # left-padded prompts
-        for b, p in enumerate(ids):
-            self.idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        pad = torch.tensor([P - len(p) for p in ids] + [P] * (B - n), dtype=torch.long, device=ref.device)
+        self.idx, pad = left_padded(ids, ref.device, rows=B)                  # (n, P), (B,)
         self.cache = engine.new_cache(B, length or need, pad)
         self.plist = list(plist) + [SamplingParams(max_new_tokens=1)] * (B - n)    # free rows: placeholders
         self.noise = engine._noise(self.plist, ref)                            # (B, context, d) or None

@@ -50,7 +50,7 @@ from .halting import ExitPolicy, parse_exit_policy, should_exit
 from .kernels import Kernels, rope_rows
 from .model import initial_noise_table
 from .sampler import SamplingParams, TokenEvent, is_int, token_logprobs
-from .batch import DecodeBatch
+from .batch import DecodeBatch, left_padded
 from .speculative import SpeculativeRun, parse_speculative
 
 __all__ = ["Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
@@ -211,11 +211,8 @@ class Engine:
         `seeds`: each row's random initial state, default 0)."""
         ids = [[int(t) for t in p] for p in prompts]
         ref = next(self.model.parameters())
-        B, P = len(ids), max(map(len, ids))
-        idx = torch.zeros(B, P, dtype=torch.long, device=ref.device)       # left-padded, as DecodeBatch
-        for b, p in enumerate(ids):
-            idx[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        pad = torch.tensor([P - len(p) for p in ids], dtype=torch.long, device=ref.device)
+        idx, pad = left_padded(ids, ref.device)                                 # (B, P), (B,)
+        B, P = idx.shape
         with torch.inference_mode():
             cache = self.new_cache(B, P, pad)
             noise = self._noise([SamplingParams(seed=sd) for sd in (seeds or [0] * B)], ref)
