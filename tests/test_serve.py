@@ -292,6 +292,16 @@ def _run(sched, log, until, limit=1000):
     raise AssertionError("the scheduler did not get there")
 
 
+def _each_tick_one_token_until_the_first(sched, log, ticks):
+    """Over `ticks` ticks "running" gets one token each and "long" its first token at the last."""
+    for tick in range(1, ticks + 1):
+        before = len(log)
+        sched.tick()
+        names = [n for n, _, _ in log[before:]]
+        assert names.count("running") == 1, tick
+        assert names.count("long") == (1 if tick == ticks else 0), tick
+
+
 def test_a_short_request_is_not_held_behind_a_long_one():
     """With batches of one row, a prompt that arrives while a batch runs starts its own batch,
     advanced in turn with it."""
@@ -322,12 +332,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
     _submit(sched, log, "running", b"go", run_p)
     sched.tick()                                       # its prefill and first token
     _submit(sched, log, "long", long_prompt, long_p)
-    for tick in range(1, 9):
-        before = len(log)
-        sched.tick()
-        names = [n for n, _, _ in log[before:]]
-        assert names.count("running") == 1, tick
-        assert names.count("long") == (1 if tick == 8 else 0), tick      # ceil(60 / 8) = 8 chunks
+    _each_tick_one_token_until_the_first(sched, log, 8)              # ceil(60 / 8) = 8 chunks
     _run(sched, log, lambda: not sched.busy)
     assert [t for n, t, _ in log if n == "running"] == engine.generate([list(b"go")], run_p)[0].tokens
     assert [t for n, t, _ in log if n == "long"] == engine.generate([list(long_prompt)], long_p)[0].tokens
@@ -345,12 +350,7 @@ def test_a_long_prompt_joining_a_running_batch_is_prefilled_in_chunks():
     _submit(sched, log, "running", run_prompt, run_p)
     _run(sched, log, lambda: bool(log))                # its 9 prefill chunks and first token
     _submit(sched, log, "long", long_prompt, long_p)
-    for tick in range(1, 9):
-        before = len(log)
-        sched.tick()
-        names = [n for n, _, _ in log[before:]]
-        assert names.count("running") == 1, tick
-        assert names.count("long") == (1 if tick == 8 else 0), tick
+    _each_tick_one_token_until_the_first(sched, log, 8)
     assert len(sched.running) == 1                     # it joined; no second batch
     _run(sched, log, lambda: not sched.busy)
     assert [t for n, t, _ in log if n == "running"] == engine.generate([list(run_prompt)], run_p)[0].tokens
