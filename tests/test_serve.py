@@ -193,6 +193,14 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
             if line.startswith("data: {"):
                 texts.append(json.loads(line[6:])["choices"][0]["text"])
     assert texts[0] == "The loop runs" and len(texts) == 4                 # the echo, then one chunk a token
+    chunks = []
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
+                      json={**ask, "prompt": [whole, context], "max_tokens": 0, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    assert lines[-1] == "data: [DONE]" and [c["index"] for c in chunks] == [0, 1]
+    assert chunks[0]["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:-1], abs=1e-5)
+    assert chunks[1]["text"] == "The loop" and chunks[1]["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("body, status, param", [
