@@ -351,11 +351,11 @@ def decode_lines(result: dict[str, Any]) -> list[str]:
         if r.get("skipped"):
             lines.append(f"{name:44s} skipped: {r['note']}")
             continue
-        p50 = r.get("p50_token_latency_s")
+        p50, p95 = r.get("p50_token_latency_s"), r.get("p95_token_latency_s")
         lines.append(f"{name:44s} decode {r['decode_tokens_per_s']:7.1f} tok/s ({r['decode_tokens_per_cpu_s']:7.1f} "
                      f"per CPU-s)  prefill "
                      f"{r['prefill_tokens_per_s']:8.1f} tok/s  ttft {1000 * r['ttft_s']:6.1f} ms  "
-                     + (f"p50 {1000 * p50:5.2f} ms  " if p50 else "")
+                     + (f"p50/p95 {1000 * p50:5.2f}/{1000 * p95:5.2f} ms  " if p50 and p95 else "")
                      + f"rss {r['peak_rss_bytes'] / 2**20:6.0f} MiB")
     for k, v in result["ratios"].items():
         lines.append(f"{k}: {v:.2f}x")
