@@ -91,6 +91,8 @@ class DecodeBatch:
         self.done, self.n_out = [False] * n + [True] * (B - n), [0] * B
         self.tokens, self.rounds = [0] * B, [0] * B          # each row's latest token and its rounds
         self.lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * B    # and its logprobs
+        self._prompt_lp: dict[int, tuple[list, list]] = {}   # row -> its prompt's logprobs so far (prompt_logprobs)
+        self._prompt_carry: dict[int, Tensor] = {}           # row -> its last prefilled column's logits (V,)
         self.col = P                                         # the column the next decode step writes
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
@@ -154,6 +156,8 @@ class DecodeBatch:
             self.plist[b] = sp
             self.sampler.set_row(b, sp, ids)
             self.texts[b] = RowText(e.tokenizer, sp.stop, self.deltas)
+            self._prompt_lp.pop(b, None)
+            self._prompt_carry.pop(b, None)
             self.done[b], self.n_out[b] = False, 0
             idx = torch.tensor([ids], dtype=torch.long, device=self.idx.device)
             if parts:
@@ -173,14 +177,43 @@ class DecodeBatch:
     # -- inside ---------------------------------------------------------------------------
     def _run_prompt(self, idx: Tensor, start: int, rows: Tensor | None) -> tuple[Tensor, Tensor | int]:
         """Prompt tokens idx (rows, T) at columns start..start+T: one chunk, or column by column
-        when prompt tokens may exit."""
+        when prompt tokens may exit. Returns the last column's logits and rounds used; rows that
+        asked for `prompt_logprobs` get this chunk's figures recorded."""
         e = self.engine
+        cache_rows = list(range(idx.shape[0])) if rows is None else rows.tolist()
+        want = [(j, b) for j, b in enumerate(cache_rows) if self.plist[b].prompt_logprobs is not None]
         if not (e.adaptive and e.policy.exit_in_prefill):
-            return e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows)
-        for c in range(idx.shape[1]):
-            logits, used = e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill", noise=self.noise,
-                                       rows=rows)
-        return logits, used
+            logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows,
+                                       all_logits=bool(want))
+            if not want:
+                return logits, used
+        else:
+            cols = [e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill", noise=self.noise, rows=rows)
+                    for c in range(idx.shape[1])]
+            logits, used = torch.stack([lg for lg, _ in cols], 1), cols[-1][1]                # (rows, T, V)
+        if want:
+            self._record_prompt(want, idx, start, logits)
+        return logits[:, -1], used
+
+    def _record_prompt(self, want: list[tuple[int, int]], idx: Tensor, start: int, logits: Tensor) -> None:
+        """Prompt log-probabilities of this chunk's columns for the (chunk row j, cache row b)
+        pairs that asked: column c's token is scored by column c-1's logits (the previous chunk's
+        last for the first column); a row's first column (its pad) gets None."""
+        T = idx.shape[1]
+        for j, b in want:
+            pad, top = self.cache._pads[b], self.plist[b].prompt_logprobs
+            lps, tops = self._prompt_lp.setdefault(b, ([], []))
+            if start <= pad < start + T:
+                lps.append(None)
+                tops.append(None)
+            sel = [i for i in range(T) if start + i > pad]
+            if sel:
+                carry = self._prompt_carry[b] if start > pad else logits[j, 0]            # (V,); unused at start == pad
+                pred = torch.cat([carry[None], logits[j, :-1]])                           # pred[i] scores column start+i
+                got = token_logprobs(pred[sel], idx[j, sel].tolist(), [top] * len(sel))
+                lps += [lp for lp, _ in got]
+                tops += [t for _, t in got]
+            self._prompt_carry[b] = logits[j, -1]
 
     def _join_parts(self, L: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
         """The steps that would prefill a joining prompt of L tokens: [(step, columns)] in the
@@ -286,8 +319,12 @@ class DecodeBatch:
             delta, reason = self.texts[b].add(tok, eos, self.n_out[b] >= sp.max_new_tokens)
             self.done[b] = reason is not None
             lp = self.lps[b] if sp.logprobs is not None else None
+            plp = self._prompt_lp.pop(b, None) if self.n_out[b] == 1 else None
+            self._prompt_carry.pop(b, None)
             events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason,
-                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None))
+                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None,
+                                     prompt_logprobs=plp[0] if plp else None,
+                                     prompt_top_logprobs=plp[1] if plp else None))
         self._maybe_finish()
         return events
 

@@ -49,8 +49,8 @@ from .errors import UserError
 from .halting import ExitPolicy, parse_exit_policy, should_exit
 from .kernels import Kernels, rope_rows
 from .model import initial_noise_table
-from .sampler import SamplingParams, TokenEvent, is_int, token_logprobs
-from .batch import DecodeBatch, left_padded
+from .sampler import SamplingParams, TokenEvent, is_int
+from .batch import DecodeBatch
 from .speculative import SpeculativeRun, parse_speculative
 
 __all__ = ["Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
@@ -206,26 +206,13 @@ class Engine:
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0, seeds: Sequence[int] | None = None
                         ) -> list[tuple[list[float | None], list[list[tuple[int, float]] | None]]]:
         """Per prompt: each token's log-probability given the tokens before it and the `top`
-        likeliest tokens' at its position (None for the first token), as this engine's prefill
-        computes them, all prompts as one left-padded batch (the server's `echo` with `logprobs`;
-        `seeds`: each row's random initial state, default 0)."""
-        ids = [[int(t) for t in p] for p in prompts]
-        ref = next(self.model.parameters())
-        idx, pad = left_padded(ids, ref.device)                                 # (B, P), (B,)
-        B, P = idx.shape
-        with torch.inference_mode():
-            cache = self.new_cache(B, P, pad)
-            noise = self._noise([SamplingParams(seed=sd) for sd in (seeds or [0] * B)], ref)
-            if self.adaptive and self.policy.exit_in_prefill:      # prompt tokens exit: column by column
-                logits = torch.stack([self.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill", noise=noise)[0]
-                                      for c in range(P)], 1)                                     # (B, P, V)
-            else:
-                logits = self.run_chunk(idx, 0, cache, phase="prefill", noise=noise, all_logits=True)[0]
-            out = []
-            for b, p in enumerate(ids):        # the logits at column c predict the token at c + 1
-                got = token_logprobs(logits[b, P - len(p):P - 1], p[1:], [top] * (len(p) - 1)) if len(p) > 1 else []
-                out.append(([None] + [lp for lp, _ in got], [None] + [t for _, t in got]))
-        return out
+        likeliest tokens' at its position (None for the first token), from this engine's prefill
+        of the prompts as one batch (`SamplingParams.prompt_logprobs`; `seeds`: each row's random
+        initial state, default 0)."""
+        plist = [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top, stop_at_eos=False)
+                 for sd in (seeds or [0] * len(prompts))]
+        events = DecodeBatch(self, [[int(t) for t in p] for p in prompts], plist, deltas=False).step()
+        return [(ev.prompt_logprobs or [], ev.prompt_top_logprobs or []) for ev in sorted(events, key=lambda ev: ev.row)]
 
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
         c = self.config

@@ -46,6 +46,10 @@ class SamplingParams:
     """Report each generated token's log-probability under the model (log-softmax of the logits,
     before penalty, temperature, top-k and top-p) and the `logprobs` likeliest tokens' (None = off;
     0 = the chosen token's only; at most 20)."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's log-probability given the ones before it (None for the first)
+    and the `prompt_logprobs` likeliest tokens' at its position, from the prefill that also
+    chooses the first token (on the row's first event; None = off; at most 20)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str, value: Any) -> UserError:
@@ -70,8 +74,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if not is_int(self.seed):
             raise bad("seed", "must be an integer", self.seed)
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20] or None (off)", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (not is_int(n) or not 0 <= n <= 20):
+                raise bad(name, "must be an integer in [0, 20] or None (off)", n)
         object.__setattr__(self, "temperature", float(self.temperature))
 
     @property
@@ -264,6 +270,10 @@ class TokenEvent:
     """The token's log-probability under the model, when its SamplingParams asked (`logprobs`)."""
     top_logprobs: list[tuple[int, float]] | None = None
     """The likeliest tokens and their log-probabilities, best first (as many as asked)."""
+    prompt_logprobs: list[float | None] | None = None
+    """On a row's first event, when asked: each prompt token's log-probability (None for the first)."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """With `prompt_logprobs`: the likeliest tokens at each prompt position (None for the first)."""
 
 
 class RowText:

@@ -39,8 +39,9 @@ token's log-probability under the model (raw logits: before the penalty and temp
 the N likeliest, in OpenAI's legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
 `text_offset`; a token that holds part of a character is shown as "bytes:\\xNN"). `echo`
 puts the prompt before the completion, with its tokens' log-probabilities when asked (the
-first token's is null; they are computed by a separate one-row prefill when the request
-arrives), and `max_tokens: 0` with `echo` scores a prompt without generating. With
+first token's is null; they come from the same scheduled, batched and chunked prefill that
+chooses the first token: `SamplingParams.prompt_logprobs`), and `max_tokens: 0` with `echo`
+scores a prompt without showing a token (its row still samples one). With
 `/tokenizer_info`, `/tokenize` and `/detokenize` (vLLM's shapes) that is what
 lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks.
 `presence_penalty` and `frequency_penalty` are OpenAI's (on the output's tokens so far).
@@ -262,19 +263,18 @@ def _token_text(tokenizer: Any, token: int) -> str:
 
 
 class _Choices:
-    """The text and logprobs (OpenAI's legacy shape) of a request's choices: the echoed prompt
-    (`echoed`: per choice, its prompt's (token, logprob, top) pieces; None without echo), then
-    the generated tokens, whole or as they stream (`text_offset` counts the characters of the
-    choice's text before each token)."""
+    """The text and logprobs (OpenAI's legacy shape) of a request's choices: with `echo`, the
+    prompt first (its log-probabilities come on each row's first event), then the generated
+    tokens, whole or as they stream (`text_offset` counts the characters of the choice's text
+    before each token)."""
 
-    def __init__(self, tokenizer: Any, prompts: list[list[int]], echoed: list[list[Any]] | None, logprobs: bool):
-        self.tok, self.prompts, self.echoed, self.logprobs = tokenizer, prompts, echoed, logprobs
-        self.so_far = [list(p) if echoed is not None else [] for p in prompts]    # tokens shown so far
+    def __init__(self, tokenizer: Any, prompts: list[list[int]], echo: bool, logprobs: bool):
+        self.tok, self.prompts, self.echoing, self.logprobs = tokenizer, prompts, echo, logprobs
+        self.so_far = [list(p) if echo else [] for p in prompts]    # tokens shown so far
 
-    def echo(self, i: int) -> tuple[str, dict[str, Any] | None]:
-        """Choice i's prompt, shown first (before any streamed token)."""
-        assert self.echoed is not None
-        return self.tok.decode(self.prompts[i]), self._logprobs(self.echoed[i], [])
+    def echo(self, i: int, first: Any) -> tuple[str, dict[str, Any] | None]:
+        """Choice i's prompt, shown before its tokens (`first`: the row's first event)."""
+        return self.tok.decode(self.prompts[i]), self._logprobs(self._prompt_pieces(i, first), [])
 
     def more(self, i: int, evs: list[Any]) -> tuple[str, dict[str, Any] | None]:
         """Choice i's next streamed tokens."""
@@ -282,10 +282,18 @@ class _Choices:
         self.so_far[i] += [ev.token for ev in evs]
         return "".join(ev.text for ev in evs), lp
 
-    def whole(self, i: int, evs: list[Any]) -> tuple[str, dict[str, Any] | None]:
-        """Choice i in one piece: the echoed prompt (if any) and every generated token."""
-        head, pieces = ("", []) if self.echoed is None else (self.tok.decode(self.prompts[i]), self.echoed[i])
-        return head + "".join(ev.text for ev in evs), self._logprobs(pieces + self._pieces(evs), [])
+    def whole(self, i: int, evs: list[Any], first: Any) -> tuple[str, dict[str, Any] | None]:
+        """Choice i in one piece: the echoed prompt (if any) and the generated tokens `evs`."""
+        if not self.echoing:
+            return "".join(ev.text for ev in evs), self._logprobs(self._pieces(evs), [])
+        head = self.tok.decode(self.prompts[i])
+        return head + "".join(ev.text for ev in evs), self._logprobs(self._prompt_pieces(i, first) + self._pieces(evs), [])
+
+    def _prompt_pieces(self, i: int, first: Any) -> list[tuple[int, float | None, Any]]:
+        ids = self.prompts[i]
+        lps = first.prompt_logprobs or [None] * len(ids)
+        tops = first.prompt_top_logprobs or [None] * len(ids)
+        return list(zip(ids, lps, tops))
 
     @staticmethod
     def _pieces(evs: list[Any]) -> list[tuple[int, float | None, Any]]:
@@ -424,38 +432,23 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                     stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs)
+                                     stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs,
+                                     prompt_logprobs=req.logprobs if req.echo else None)
                       for j in range(req.n)]                 # choice j of a prompt samples with seed + j
         except UserError as err:
             field = str(err).split(" ")[0].rstrip(":")
             return _error(400, str(err), field)
         n_rows = len(ids_list) * req.n                        # choice i: prompt i // n, sample i % n
         prompt_of = [ids_list[i // req.n] for i in range(n_rows)]
-        echoed: list[list[tuple[int, float | None, Any]]] = [[] for _ in range(n_rows)]    # (token, logprob, top)
-        if req.echo:                                           # the prompt's own pieces, scored when asked
-            scored = (engine.prompt_logprobs(prompt_of, req.logprobs, [params[i % req.n].seed for i in range(n_rows)])
-                      if req.logprobs is not None else [([None] * len(p), [None] * len(p)) for p in prompt_of])
-            echoed = [list(zip(ids, lps, tops)) for ids, (lps, tops) in zip(prompt_of, scored)]
         rid, name = f"cmpl-{uuid.uuid4().hex[:24]}", model_name
-        out = _Choices(engine.tokenizer, prompt_of, echoed if req.echo else None, req.logprobs is not None)
+        out = _Choices(engine.tokenizer, prompt_of, req.echo, req.logprobs is not None)
+        scoring = req.max_tokens == 0          # echo only: each row still samples one token, never shown
 
         def body(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
                     "choices": choices, **extra}
 
         n_prompt = sum(map(len, prompt_of))
-        if req.max_tokens == 0:                                # scoring only: the echoed prompt
-            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": "length", "rounds_used": []}
-                       for i, (t, lp) in enumerate(out.echo(i) for i in range(n_rows))]
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
-            if not req.stream:
-                return body(choices, usage=usage)
-
-            async def scored() -> Any:
-                for c in choices:
-                    yield f"data: {json.dumps(body([c]))}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(scored(), media_type="text/event-stream")
         if not sched.try_reserve(n_rows):
             return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
                           None, "rate_limit_error")
@@ -486,12 +479,17 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
         if req.stream:
             async def sse() -> Any:
-                if req.echo:
-                    for i in range(n_rows):
-                        text, lp = out.echo(i)
-                        yield f"data: {json.dumps(body([{'index': i, 'text': text, 'logprobs': lp, 'finish_reason': None}]))}\n\n"
+                started = [False] * n_rows
                 try:
                     async for i, ev in rows():
+                        if req.echo and not started[i]:             # the prompt, with the first token's figures
+                            started[i] = True
+                            text, lp = out.echo(i, ev)
+                            choice = {"index": i, "text": text, "logprobs": lp,
+                                      "finish_reason": "length" if scoring else None}
+                            yield f"data: {json.dumps(body([choice]))}\n\n"
+                        if scoring:
+                            continue
                         text, lp = out.more(i, [ev])
                         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
                         yield f"data: {json.dumps(body([choice]))}\n\n"
@@ -508,10 +506,12 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _error(500, f"generation failed: {err}", None, "server_error")
         choices = []
         for i in range(n_rows):
-            text, lp = out.whole(i, evs[i])
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": evs[i][-1].finish_reason,
-                            "rounds_used": [ev.rounds for ev in evs[i]]})
-        n_out = sum(map(len, evs))
+            shown = [] if scoring else evs[i]
+            text, lp = out.whole(i, shown, evs[i][0])
+            choices.append({"index": i, "text": text, "logprobs": lp,
+                            "finish_reason": "length" if scoring else evs[i][-1].finish_reason,
+                            "rounds_used": [ev.rounds for ev in shown]})
+        n_out = 0 if scoring else sum(map(len, evs))
         return body(choices, usage={"prompt_tokens": n_prompt, "completion_tokens": n_out,
                                     "total_tokens": n_prompt + n_out})
 

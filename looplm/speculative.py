@@ -94,12 +94,18 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     engine.last_stats = stats
     n_out, draft_round_sum = 0, 0
     t0 = time.perf_counter()
-    logits, _ = engine.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
-                                 noise=noise)
     def logprobs(rows: Tensor, toks: list[int]) -> list[Any]:
         """(token logprob, top) of each emitted token from the full-depth logits that chose it."""
         return token_logprobs(rows, toks, [sp.logprobs] * len(toks)) if sp.logprobs is not None else [None] * len(toks)
 
+    scored = sp.prompt_logprobs is not None
+    logits, _ = engine.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
+                                 noise=noise, all_logits=scored)
+    prompt_lp: tuple[list, list] | None = None
+    if scored:                     # column c's logits score the prompt token at c + 1
+        got = token_logprobs(logits[0, :-1], prompt[1:], [sp.prompt_logprobs] * (P - 1))
+        prompt_lp = [None] + [lp for lp, _ in got], [None] + [t for _, t in got]
+        logits = logits[:, -1]
     pending = int(sampler(logits)[0])
     emit_lp = logprobs(logits, [pending])
     t1 = time.perf_counter()
@@ -111,8 +117,11 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
         for tok, lp in zip(emit, emit_lp):
             n_out += 1
             delta, reason = text.add(tok, tok == eos, n_out >= sp.max_new_tokens)
+            first = n_out == 1 and prompt_lp is not None
             events.append(TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason,
-                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None))
+                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None,
+                                     prompt_logprobs=prompt_lp[0] if first else None,
+                                     prompt_top_logprobs=prompt_lp[1] if first else None))
             if reason:
                 break
             sampler.observe_one(tok)

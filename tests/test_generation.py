@@ -14,7 +14,7 @@ import looplm
 from looplm.checkpoint import save_checkpoint, write_text
 from looplm.cli import main
 from looplm.errors import UserError
-from looplm.generation import Engine, GenerationConfig, SamplingParams
+from looplm.generation import Engine, GenerationConfig, SamplingParams, TokenEvent
 from looplm.tokenizer import ByteTokenizer
 
 # init_std 0.3 spreads the logits, so greedy choices are far from ties
@@ -433,6 +433,39 @@ def test_presence_and_frequency_penalties_match_a_hand_computed_loop():
     assert got[0].tokens != got[1].tokens                         # the penalties changed something
     spec = Engine(m, TOK, GenerationConfig(speculative="1:3")).generate(["hello"], pen)[0]
     assert spec.tokens == got[0].tokens
+
+
+@pytest.mark.parametrize("config", [{}, {"exit": "kl:0.02", "exit_in_prefill": True}])
+def test_prompt_logprobs_arrive_with_the_first_token_however_the_prompt_was_prefilled(config):
+    """SamplingParams(prompt_logprobs=N): the prompt's figures ride on the row's first event and
+    are the same whether the prompt was prefilled whole, in chunks (left-padded starting rows,
+    chunks that cut through the padding), or joined a running batch in chunks; a speculative
+    engine reports the same; rows that did not ask get none."""
+    eng = Engine(tiny(), TOK, GenerationConfig(**config))
+    ask = SamplingParams(max_new_tokens=3, prompt_logprobs=2, seed=3, stop_at_eos=False)
+    plain = SamplingParams(max_new_tokens=3, seed=3, stop_at_eos=False)
+    prompts = ["a somewhat longer prompt", "xy", "The loop runs"]
+    want = {p: eng.prompt_logprobs([TOK.encode(p)], top=2, seeds=[3])[0] for p in prompts + ["0123456789"]}
+    batch = eng.batch(prompts, [ask, plain, ask], capacity=4, length=64, prefill_chunk=5)
+    firsts: dict[str, TokenEvent] = {}
+    owner = {0: prompts[0], 1: prompts[1], 2: prompts[2]}
+    while not batch.finished:
+        for ev in batch.step():
+            firsts.setdefault(owner[ev.row], ev)
+        if len(owner) == 3 and batch.started:
+            row, _ = batch.join("0123456789", ask)        # 10 tokens in chunks of 5, through a free row
+            owner[row] = "0123456789"
+    assert firsts["xy"].prompt_logprobs is None and firsts["xy"].prompt_top_logprobs is None
+    for p in (prompts[0], prompts[2], "0123456789"):
+        got, lps = firsts[p], want[p][0]
+        assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(TOK.encode(p)), p
+        assert got.prompt_logprobs[1:] == pytest.approx(lps[1:], abs=1e-5), p
+        assert [[t for t, _ in top] for top in got.prompt_top_logprobs[1:]] == \
+            [[t for t, _ in top] for top in want[p][1][1:]], p
+    if not config:
+        spec = Engine(eng.model, TOK, GenerationConfig(speculative="1:2"))
+        ev = next(iter(spec.stream([prompts[0]], ask)))
+        assert ev.prompt_logprobs[1:] == pytest.approx(want[prompts[0]][0][1:], abs=1e-5)
 
 
 @pytest.mark.parametrize("spec", ["1:2", "2:3"])
