@@ -3,6 +3,7 @@
     POST /v1/completions   {"prompt": "...", "max_tokens": 32, "temperature": 0, "stream": false, ...}
     GET  /v1/models        the one model this server holds
     GET  /tokenizer_info, POST /tokenize, POST /detokenize   the model's tokenizer (vLLM's shapes)
+    GET  /health           200 while serving, with the scheduler's running/waiting counts
 
 Requests are validated before anything runs (malformed JSON, wrong types, out-of-range values,
 a prompt longer than the limits or the context): the reply is a 4xx with an OpenAI-style
@@ -368,6 +369,12 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _error(400, "request body is not valid JSON", None)
         msg = first.get("msg", "invalid request")
         return _error(400, f"{param}: {msg}" if param else msg, param)
+
+    @app.get("/health")
+    async def health() -> Any:
+        """Liveness for load balancers and orchestrators: 200 while the server runs."""
+        return {"status": "ok", "running_batches": len(sched.running), "waiting": len(sched.waiting),
+                "in_flight": sched.in_flight}
 
     @app.get("/v1/models")
     async def models() -> Any:

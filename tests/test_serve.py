@@ -75,6 +75,11 @@ def post(server, body, timeout=60.0):
     return httpx.post(f"{server['base']}/v1/completions", json=body, timeout=timeout)
 
 
+def test_health(server):
+    r = httpx.get(f"{server['base']}/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["in_flight"] >= 0
+
+
 def test_models_lists_the_run(server):
     r = httpx.get(f"{server['base']}/v1/models", timeout=10)
     assert r.status_code == 200
