@@ -27,8 +27,9 @@ thread: once two threads of a process have run torch ops, their CPU thread teams
 decoding gets 2.5-3x slower (benchmarks/two_threads.py; a worker thread is fast only while no
 other thread touches torch).
 Tokens flow back to each request through its own queue as they are sampled, which is what
-`stream: true` sends as server-sent events. A row whose client has gone away (a closed stream)
-stops at the next step and frees its place. Each batch's cache holds `max_batch` rows of the
+`stream: true` sends as server-sent events. A row whose client has gone away stops and frees its
+place: at the next step for a closed stream, within DISCONNECT_CHECK_S (0.25 s) for a client
+that was waiting for the whole response. Each batch's cache holds `max_batch` rows of the
 whole context (bench-s: 4 MiB a row), allocated when the batch starts.
 
 With `--speculative` every prompt is a batch of one row (speculation is batch-1), and batches
@@ -61,6 +62,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from .errors import UserError
@@ -263,6 +265,14 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return piece
 
 
+DISCONNECT_CHECK_S = 0.25
+"""How often a request waiting for a whole (non-streamed) response checks that its client is still there."""
+
+
+class _ClientGone(Exception):
+    """The client of a non-streamed request disconnected; its rows are stopped."""
+
+
 class _Choices:
     """The text and logprobs (OpenAI's legacy shape) of a request's choices: with `echo`, the
     prompt first (its log-probabilities come on each row's first event), then the generated
@@ -324,7 +334,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
     """The FastAPI app serving `engine` (the caller runs it, e.g. with uvicorn)."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
 
@@ -358,6 +368,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         task.cancel()
 
     app = FastAPI(title="looplm", lifespan=lifespan)
+    app.state.scheduler = sched
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -417,7 +428,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                           "model", "not_found_error")
@@ -469,11 +480,22 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         wake.set()
 
         async def rows() -> Any:
-            """(choice index, TokenEvent) until every row finished; raises the engine's error."""
-            left = n_rows
+            """(choice index, TokenEvent) until every row finished; raises the engine's error, or
+            _ClientGone when a client waiting for a whole response has disconnected (checked every
+            DISCONNECT_CHECK_S; a closed stream ends its generator instead)."""
+            left, checked = n_rows, time.monotonic()
             try:
                 while left:
-                    i, ev = await events.get()
+                    try:
+                        i, ev = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
+                    except asyncio.TimeoutError:
+                        i, ev = -1, None
+                    if not req.stream and time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            raise _ClientGone()
+                    if ev is None:
+                        continue
                     if isinstance(ev, Exception):
                         raise ev
                     if ev.finish_reason:
@@ -509,6 +531,8 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         try:
             async for i, ev in rows():
                 evs[i].append(ev)
+        except _ClientGone:
+            return _error(499, "client closed the request", None, "client_closed")     # nobody reads this
         except Exception as err:
             return _error(500, f"generation failed: {err}", None, "server_error")
         choices = []
