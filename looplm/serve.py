@@ -486,10 +486,13 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             left, checked = n_rows, time.monotonic()
             try:
                 while left:
-                    try:
-                        i, ev = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
-                    except asyncio.TimeoutError:
-                        i, ev = -1, None
+                    if req.stream or not events.empty():
+                        i, ev = await events.get()
+                    else:
+                        try:
+                            i, ev = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
+                        except asyncio.TimeoutError:
+                            i, ev = -1, None
                     if not req.stream and time.monotonic() - checked >= DISCONNECT_CHECK_S:
                         checked = time.monotonic()
                         if await request.is_disconnected():
