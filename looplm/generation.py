@@ -92,6 +92,10 @@ class Completion:
     """Each token's log-probability, when its SamplingParams asked (`logprobs`)."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Per token, the likeliest tokens and their log-probabilities (as many as asked)."""
+    prompt_logprobs: list[float | None] | None = None
+    """Each prompt token's log-probability (None for the first), when asked (`prompt_logprobs`)."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per prompt token, the likeliest tokens at its position (None for the first), when asked."""
     stats: dict[str, Any] = field(default_factory=dict)
     """Batch timings and counters: prefill_tokens_per_s, decode_tokens_per_s, ttft_s, ...; shared by the batch."""
 
@@ -187,7 +191,9 @@ class Engine:
         reasons = ["length"] * len(ids)
         lps: list[list[float]] = [[] for _ in ids]
         tops: list[list[list[tuple[int, float]]]] = [[] for _ in ids]
+        prompt: dict[int, TokenEvent] = {}                   # each row's first event (prompt_logprobs)
         for ev in events:
+            prompt.setdefault(ev.row, ev)
             toks[ev.row].append(ev.token)
             rounds[ev.row].append(ev.rounds)
             texts[ev.row] += ev.text
@@ -200,7 +206,9 @@ class Engine:
         return [Completion(text=texts[b], tokens=toks[b], rounds_used=rounds[b], finish_reason=reasons[b],
                            prompt_tokens=len(ids[b]), stats=stats,
                            logprobs=lps[b] if plist[b].logprobs is not None else None,
-                           top_logprobs=tops[b] if plist[b].logprobs is not None else None)
+                           top_logprobs=tops[b] if plist[b].logprobs is not None else None,
+                           prompt_logprobs=prompt[b].prompt_logprobs if b in prompt else None,
+                           prompt_top_logprobs=prompt[b].prompt_top_logprobs if b in prompt else None)
                 for b in range(len(ids))]
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0, seeds: Sequence[int] | None = None

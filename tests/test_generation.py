@@ -462,6 +462,9 @@ def test_prompt_logprobs_arrive_with_the_first_token_however_the_prompt_was_pref
         assert got.prompt_logprobs[1:] == pytest.approx(lps[1:], abs=1e-5), p
         assert [[t for t, _ in top] for top in got.prompt_top_logprobs[1:]] == \
             [[t for t, _ in top] for top in want[p][1][1:]], p
+    done = eng.generate(prompts[:2], [ask, plain])                  # Completion carries them too
+    assert done[0].prompt_logprobs[1:] == pytest.approx(want[prompts[0]][0][1:], abs=1e-5)
+    assert done[1].prompt_logprobs is None
     if not config:
         spec = Engine(eng.model, TOK, GenerationConfig(speculative="1:2"))
         ev = next(iter(spec.stream([prompts[0]], ask)))
