@@ -1,7 +1,8 @@
 """`looplm serve RUN`: an OpenAI-compatible completions server over the cached engine.
 
     POST /v1/completions   {"prompt": "...", "max_tokens": 32, "temperature": 0, "stream": false, ...}
-    GET  /v1/models        the one model this server holds
+    GET  /v1/models        the one model this server holds, with what every request runs (rounds,
+                           exit policy, cache policies, speculation, prefill chunk)
     GET  /tokenizer_info, POST /tokenize, POST /detokenize   the model's tokenizer (vLLM's shapes)
     GET  /health           200 while serving, with the scheduler's running/waiting counts
 
@@ -387,10 +388,15 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         return {"status": "ok", "running_batches": len(sched.running), "waiting": len(sched.waiting),
                 "in_flight": sched.in_flight}
 
+    c = engine.config
+    loop = {"rounds": engine.rounds, "exit": str(engine.policy), "prefill_cache": c.prefill_cache,
+            "decode_cache": c.decode_cache, "missing_kv": c.missing, "speculative": c.speculative,
+            "prefill_chunk": limits.prefill_chunk}       # what every request of this server runs
+
     @app.get("/v1/models")
     async def models() -> Any:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "looplm"}]}
+                                            "owned_by": "looplm", "max_model_len": ctx, "looplm": loop}]}
 
     def token_ids(prompt: Any) -> list[list[int]]:
         """The request's prompts as token ids (UserError naming the problem)."""

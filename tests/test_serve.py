@@ -84,6 +84,9 @@ def test_models_lists_the_run(server):
     r = httpx.get(f"{server['base']}/v1/models", timeout=10)
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == [server["name"]]
+    card = r.json()["data"][0]                      # what every request runs: rounds, exit, caches
+    assert card["max_model_len"] == 64 and card["looplm"]["rounds"] == 3 and card["looplm"]["exit"] == "fixed:3"
+    assert card["looplm"]["prefill_cache"] == card["looplm"]["decode_cache"] == "full"
 
 
 def test_completion_shape_and_greedy_determinism(server):
