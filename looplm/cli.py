@@ -173,7 +173,10 @@ def _flag(option: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve import ServeLimits, serve
+    try:
+        from .serve import ServeLimits, serve
+    except ModuleNotFoundError as err:            # fastapi/uvicorn are the `serve` extra
+        raise UserError(f"looplm serve needs {err.name}: pip install -c constraints.txt -e '.[serve]'") from None
 
     limits = ServeLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                          max_concurrent=args.max_concurrent, max_batch=args.max_batch,

@@ -513,3 +513,24 @@ def test_serve_limits_out_of_range_are_user_errors_naming_the_flag(field, value)
 
     with pytest.raises(UserError, match="--" + field.replace("_", "-")):
         ServeLimits(**{field: value})
+
+
+def test_serve_without_the_serve_extra_says_what_to_install(monkeypatch, capsys):
+    """A base install (no fastapi): `looplm serve` exits 2 with one line naming the extra."""
+    import builtins
+    import sys as _sys
+
+    from looplm.cli import main
+
+    real = builtins.__import__
+
+    def no_fastapi(name, *args, **kwargs):
+        if name.split(".")[0] == "fastapi":
+            raise ModuleNotFoundError(f"No module named {name!r}", name="fastapi")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.delitem(_sys.modules, "looplm.serve", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_fastapi)
+    assert main(["serve", "some-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fastapi" in err and "[serve]" in err
