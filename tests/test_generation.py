@@ -855,3 +855,26 @@ def test_a_new_thread_count_rebuilds_the_kernels():
         assert k.stale() and eng._kernels() is not k
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_lm_eval_task_example_builds_questions_from_a_runs_held_out_text(run_dir, tmp_path):
+    """examples/lm_eval_task.py: the YAML points at the data, and each question's label is the
+    context's true continuation in the run's validation text."""
+    import shutil
+    import subprocess
+    import sys
+
+    from looplm.data import encode_to_memmap
+
+    run = shutil.copytree(run_dir, tmp_path / "run")       # the fixture's run stays as it is
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(40))
+    encode_to_memmap([("val.py", text)], TOK, run / "data" / "val.bin")
+    out = tmp_path / "task"
+    subprocess.run([sys.executable, "examples/lm_eval_task.py", str(run), "--out", str(out), "--questions", "12"],
+                   check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert str((out / "data.jsonl").resolve()) in (out / "looplm_next_bytes.yaml").read_text()
+    rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
+    assert len(rows) == 12
+    for r in rows:
+        assert len(r["choices"]) == 4 and len(r["context"]) == 60
+        assert r["context"] + r["choices"][r["label"]] in text
