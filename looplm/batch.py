@@ -201,7 +201,7 @@ class DecodeBatch:
         last for the first column); a row's first column (its pad) gets None."""
         T = idx.shape[1]
         for j, b in want:
-            pad, top = self.cache._pads[b], self.plist[b].prompt_logprobs
+            pad, top = int(self.cache.pad[b]), self.plist[b].prompt_logprobs
             lps, tops = self._prompt_lp.setdefault(b, ([], []))
             if start <= pad < start + T:
                 lps.append(None)
