@@ -97,8 +97,8 @@ class DecodeBatch:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
         exact = engine.config.prefill_cache == "full"
-        self.chunk = prefill_chunk if prefill_chunk and exact else P   # prompt columns per prefill step
-        self.join_chunk = prefill_chunk if prefill_chunk and exact else None
+        self.join_chunk = prefill_chunk if prefill_chunk and exact else None   # None: prompts run whole
+        self.chunk = self.join_chunk or P                                      # prompt columns per prefill step
         # row -> (prompt (1, L), its first column, columns done, [(step, columns)] still to run); a
         # step is named by the column count after its decode (self.col); the budget's tail: (step, used)
         self.joining: dict[int, tuple[Tensor, int, int, list[tuple[int, int]]]] = {}
@@ -172,6 +172,8 @@ class DecodeBatch:
         if self.started and not self.done[row]:
             self.done[row] = True
             self.joining.pop(row, None)
+            self._prompt_lp.pop(row, None)
+            self._prompt_carry.pop(row, None)
             self._maybe_finish()
 
     # -- inside ---------------------------------------------------------------------------
@@ -319,8 +321,10 @@ class DecodeBatch:
             delta, reason = self.texts[b].add(tok, eos, self.n_out[b] >= sp.max_new_tokens)
             self.done[b] = reason is not None
             lp = self.lps[b] if sp.logprobs is not None else None
-            plp = self._prompt_lp.pop(b, None) if self.n_out[b] == 1 else None
-            self._prompt_carry.pop(b, None)
+            plp = None
+            if self.n_out[b] == 1:                            # its prompt is done: its figures go out once
+                plp = self._prompt_lp.pop(b, None)
+                self._prompt_carry.pop(b, None)
             events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason,
                                      logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None,
                                      prompt_logprobs=plp[0] if plp else None,

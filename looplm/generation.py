@@ -177,6 +177,8 @@ class Engine:
     def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
               capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
         if self.speculative is not None:
+            if len(ids) != 1:
+                raise UserError("--speculative decodes one prompt at a time (batch 1)")
             return SpeculativeRun(self, ids, plist, deltas)
         return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 
@@ -217,9 +219,10 @@ class Engine:
         likeliest tokens' at its position (None for the first token), from this engine's prefill
         of the prompts as one batch (`SamplingParams.prompt_logprobs`; `seeds`: each row's random
         initial state, default 0)."""
-        plist = [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top, stop_at_eos=False)
-                 for sd in (seeds or [0] * len(prompts))]
-        events = DecodeBatch(self, [[int(t) for t in p] for p in prompts], plist, deltas=False).step()
+        ids, plist = self._prepare(list(prompts), [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top,
+                                                                  stop_at_eos=False)
+                                                   for sd in (seeds or [0] * len(prompts))])
+        events = DecodeBatch(self, ids, plist, deltas=False).step()     # batched prefill, even when speculative
         return [(ev.prompt_logprobs or [], ev.prompt_top_logprobs or []) for ev in sorted(events, key=lambda ev: ev.row)]
 
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
@@ -229,7 +232,9 @@ class Engine:
                            decode=c.decode_cache, missing=c.missing, pad=pad, dtype=p.dtype, device=p.device)
 
     # -- preparation ----------------------------------------------------------------------
-    def _prepare(self, prompts: Any, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
+    def token_ids(self, prompts: Any) -> list[list[int]]:
+        """Prompts (a text, texts or lists of token ids) as checked token ids: UserError for an
+        empty prompt, text without a tokenizer, or ids outside the vocabulary."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts:
@@ -246,6 +251,10 @@ class Engine:
             if min(p) < 0 or max(p) >= self.cfg.vocab_size:
                 raise UserError(f"prompt: token ids must lie in 0..{self.cfg.vocab_size - 1}")
             ids.append(p)
+        return ids
+
+    def _prepare(self, prompts: Any, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
+        ids = self.token_ids(prompts)
         params = params or SamplingParams()
         plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(ids):
@@ -255,8 +264,6 @@ class Engine:
             if len(p) + sp.max_new_tokens > ctx:
                 raise UserError(f"prompt: {len(p)} prompt tokens + {sp.max_new_tokens} new tokens exceed "
                                 f"the model context of {ctx}")
-        if self.speculative is not None and len(ids) != 1:
-            raise UserError("--speculative decodes one prompt at a time (batch 1)")
         return ids, plist
 
     def _noise(self, plist: Sequence[SamplingParams], ref: Tensor) -> Tensor | None:

@@ -398,21 +398,18 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm", "max_model_len": ctx, "looplm": loop}]}
 
-    def token_ids(prompt: Any) -> list[list[int]]:
-        """The request's prompts as token ids (UserError naming the problem)."""
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            prompt = [prompt]
-        ids_list = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-        if not ids_list or not all(ids_list):
-            raise UserError("prompt: must not be empty")
-        V = engine.cfg.vocab_size
+    def token_ids(prompt: Any, max_tokens: int) -> list[list[int]]:
+        """The request's prompts as token ids: the engine's checks (empty, ids outside the
+        vocabulary), then this server's prompt limit, then the context with max_tokens."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+            prompt = [prompt]                                # one text or one list of ids
+        ids_list = engine.token_ids(prompt)
         for ids in ids_list:
-            if not all(0 <= t < V for t in ids):
-                raise UserError(f"prompt: token ids must lie in [0, {V})")
             if len(ids) > max_prompt:
                 raise UserError(f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}")
+            if len(ids) + max_tokens > ctx:
+                raise UserError(f"prompt: {len(ids)} tokens + max_tokens {max_tokens} exceed the model "
+                                f"context of {ctx}")
         return ids_list
 
     @app.get("/tokenizer_info")
@@ -445,14 +442,10 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _error(400, "max_tokens: 0 only with echo (to score a prompt)", "max_tokens")
         seed = _seed(req.seed, req.temperature)
         try:
-            ids_list = token_ids(req.prompt)
+            ids_list = token_ids(req.prompt, req.max_tokens)
             if len(ids_list) * req.n > limits.max_batch:
                 raise UserError(f"{'prompt' if req.n == 1 else 'n'}: at most {limits.max_batch} completions in "
                                 f"all (prompts x n), asked for {len(ids_list) * req.n}")
-            for ids in ids_list:
-                if len(ids) + req.max_tokens > ctx:
-                    raise UserError(f"prompt: {len(ids)} tokens + max_tokens {req.max_tokens} exceed the model "
-                                    f"context of {ctx}")
             params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,

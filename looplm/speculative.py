@@ -93,11 +93,12 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     spec = stats["speculative"]
     engine.last_stats = stats
     n_out, draft_round_sum = 0, 0
-    t0 = time.perf_counter()
+
     def logprobs(rows: Tensor, toks: list[int]) -> list[Any]:
         """(token logprob, top) of each emitted token from the full-depth logits that chose it."""
         return token_logprobs(rows, toks, [sp.logprobs] * len(toks)) if sp.logprobs is not None else [None] * len(toks)
 
+    t0 = time.perf_counter()
     scored = sp.prompt_logprobs is not None
     logits, _ = engine.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
                                  noise=noise, all_logits=scored)
