@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .model import initial_noise_table
-from .sampler import RowText, Sampler, SamplingParams, TokenEvent, token_logprobs
+from .sampler import RowText, Sampler, SamplingParams, TokenEvent, positions_run, token_logprobs
 
 if TYPE_CHECKING:
     from .generation import Engine
@@ -75,7 +75,7 @@ class DecodeBatch:
         ref = next(engine.model.parameters())
         n, P = len(ids), max(len(p) for p in ids)
         B = capacity or n                                    # rows n..B-1 start free
-        need = P + max(sp.max_new_tokens for sp in plist)
+        need = positions_run(P, max(sp.max_new_tokens for sp in plist))
         if length is not None and not need <= length <= engine.cfg.context:
             raise ValueError(f"cache length {length}: these prompts need {need}..{engine.cfg.context}")
         if B < n:

@@ -49,7 +49,7 @@ from .errors import UserError
 from .halting import ExitPolicy, parse_exit_policy, should_exit
 from .kernels import Kernels, rope_rows
 from .model import initial_noise_table
-from .sampler import SamplingParams, TokenEvent, is_int
+from .sampler import SamplingParams, TokenEvent, is_int, positions_run
 from .batch import DecodeBatch
 from .speculative import SpeculativeRun, parse_speculative
 
@@ -261,9 +261,9 @@ class Engine:
             raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
         ctx = self.cfg.context
         for p, sp in zip(ids, plist):
-            if len(p) + sp.max_new_tokens > ctx:
+            if positions_run(len(p), sp.max_new_tokens) > ctx:
                 raise UserError(f"prompt: {len(p)} prompt tokens + {sp.max_new_tokens} new tokens exceed "
-                                f"the model context of {ctx}")
+                                f"the model context of {ctx} (positions run: prompt + new tokens - 1)")
         return ids, plist
 
     def _noise(self, plist: Sequence[SamplingParams], ref: Tensor) -> Tensor | None:

@@ -18,6 +18,14 @@ from torch import Tensor
 from .errors import UserError
 
 
+def positions_run(prompt_tokens: int, new_tokens: int) -> int:
+    """Positions (cache columns) a prompt and its new tokens go through the model: the prompt's
+    and every new token's but the last, which is sampled and never fed back. This, not prompt +
+    new tokens, is what must fit the context: a prompt of the whole context can still be scored
+    (its prompt log-probabilities) or continued by one token."""
+    return prompt_tokens + max(new_tokens, 1) - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How one request samples; every field is checked here (UserError names it)."""

@@ -14,6 +14,7 @@ import torch
 
 from .errors import UserError
 from .model import initial_noise_table
+from .sampler import positions_run
 
 
 def sample_next(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -39,8 +40,9 @@ def generate_text(run: Any, prompt: str, max_new_tokens: int = 64, temperature: 
     if not ids:
         raise UserError("--prompt: must not be empty")
     ctx = model.cfg.context
-    if len(ids) + max_new_tokens > ctx:
-        raise UserError(f"--prompt: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of {ctx}")
+    if positions_run(len(ids), max_new_tokens) > ctx:
+        raise UserError(f"--prompt: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of {ctx} "
+                        "(positions run: prompt + new tokens - 1)")
     g = torch.Generator().manual_seed(seed)
     noise = initial_noise_table(model.cfg, seed)[None] if model.cfg.init_state == "random" else None  # (1, ctx, d)
 

@@ -68,6 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from .errors import UserError
 from .generation import Engine, SamplingParams
+from .sampler import positions_run
 from .tokenizer import EOS_TOKEN
 
 
@@ -407,9 +408,9 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         for ids in ids_list:
             if len(ids) > max_prompt:
                 raise UserError(f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}")
-            if len(ids) + max_tokens > ctx:
+            if positions_run(len(ids), max_tokens) > ctx:
                 raise UserError(f"prompt: {len(ids)} tokens + max_tokens {max_tokens} exceed the model "
-                                f"context of {ctx}")
+                                f"context of {ctx} (positions run: prompt + max_tokens - 1)")
         return ids_list
 
     @app.get("/tokenizer_info")

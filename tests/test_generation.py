@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -408,6 +409,39 @@ def test_prompt_logprobs_are_what_the_prefill_computes(config):
     first = eng.generate([ids[:-1]], SamplingParams(max_new_tokens=1, seed=5, logprobs=1))[0]
     (tok, val), = first.top_logprobs[0]                               # greedy: the likeliest after ids[:-1]
     assert tok == first.tokens[0] == tops[-1][0][0] and val == pytest.approx(tops[-1][0][1], abs=1e-5)
+
+
+def test_a_prompt_of_the_whole_context_is_scored_and_continued_by_one_token():
+    """The last new token is sampled, never fed back: a prompt + N new tokens run P + N - 1
+    positions, and that is what must fit. A prompt of the whole context gets its prompt
+    log-probabilities and one token (both a forward pass over it), batched beside a short
+    prompt, under speculation too, and through the no-cache reference; one more is refused."""
+    from looplm.sampling import generate_text
+
+    m = tiny(**{"model.init_state": "prelude"})
+    ctx = m.cfg.context
+    ids = [(7 * i) % 90 + 32 for i in range(ctx)]                 # printable ASCII: a byte each
+    with torch.no_grad():
+        ref = torch.log_softmax(m(torch.tensor([ids])).logits[0], -1)                  # (ctx, V)
+    want = [None] + [float(ref[t - 1, ids[t]]) for t in range(1, ctx)]
+    eng = Engine(m, TOK, GenerationConfig())
+    (lps, _), (short, _) = eng.prompt_logprobs([ids, ids[:5]])
+    assert lps[1:] == pytest.approx(want[1:], abs=1e-4) and short[1:] == pytest.approx(want[1:5], abs=1e-4)
+    one = SamplingParams(max_new_tokens=1, logprobs=0, stop_at_eos=False)
+    whole, beside = eng.generate([ids, ids[:ctx - 3]], [one, SamplingParams(max_new_tokens=4, stop_at_eos=False)])
+    assert whole.tokens == [int(ref[-1].argmax())] and whole.logprobs == pytest.approx([float(ref[-1].max())], abs=1e-4)
+    assert beside.tokens == eng.generate([ids[:ctx - 3]], SamplingParams(max_new_tokens=4, stop_at_eos=False))[0].tokens
+    spec = Engine(m, TOK, GenerationConfig(speculative="1:3"))
+    assert spec.generate([ids[:ctx - 2]], SamplingParams(max_new_tokens=3, stop_at_eos=False))[0].tokens == \
+        eng.generate([ids[:ctx - 2]], SamplingParams(max_new_tokens=3, stop_at_eos=False))[0].tokens
+    run = SimpleNamespace(model=m, tokenizer=TOK)                       # what generate_text reads, rounds given
+    text = "".join(chr(t) for t in ids[:ctx - 1])
+    assert generate_text(run, text, max_new_tokens=2, rounds=3)["tokens"] == \
+        eng.generate([TOK.encode(text)], SamplingParams(max_new_tokens=2, stop_at_eos=False))[0].tokens
+    with pytest.raises(UserError, match="context"):
+        eng.generate([ids], SamplingParams(max_new_tokens=2))
+    with pytest.raises(UserError, match="context"):
+        generate_text(run, text, max_new_tokens=3, rounds=3)
 
 
 def test_presence_and_frequency_penalties_match_a_hand_computed_loop():

@@ -483,6 +483,41 @@ def test_a_client_gone_before_its_whole_response_stops_its_rows():
     assert len(chunks) < 2000                              # stopped long before 4,000 tokens
 
 
+def test_a_prompt_of_the_whole_context_is_scored_in_a_served_batch():
+    """`echo` with `max_tokens: 0` scores a prompt as long as the context (the server's batches
+    hold the whole context; the one token such a row samples is never fed back), in one request
+    with a short prompt; `max_tokens: 1` continues it; 2 is a 400 naming the prompt."""
+    import asyncio
+
+    from looplm.generation import Engine
+    from looplm.model import initial_noise_table
+    from looplm.serve import ServeLimits, _token_text, create_app
+
+    torch.manual_seed(0)
+    model = looplm.build_model(looplm.load_recipe("quickstart", overrides=TINY)).eval()
+    ctx = model.cfg.context
+    ids = [(5 * i) % 90 + 32 for i in range(ctx)]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids]), initial_state=initial_noise_table(model.cfg, 3)[None])
+                                .logits[0], -1)
+    app = create_app(Engine(model, ByteTokenizer()), limits=ServeLimits(max_prompt_tokens=ctx))
+    ask = {"prompt": [ids, ids[:4]], "echo": True, "logprobs": 1, "temperature": 0, "seed": 3}
+
+    async def scenario() -> list:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return [await c.post("/v1/completions", json={**ask, "max_tokens": n}, timeout=60) for n in (0, 1, 2)]
+
+    scored, continued, refused = asyncio.run(scenario())
+    assert scored.status_code == 200 and continued.status_code == 200
+    whole, short = scored.json()["choices"]
+    assert whole["logprobs"]["token_logprobs"][1:] == pytest.approx([float(ref[t - 1, ids[t]]) for t in range(1, ctx)],
+                                                                    abs=1e-4)
+    assert short["logprobs"]["token_logprobs"][1:] == pytest.approx(whole["logprobs"]["token_logprobs"][1:4], abs=1e-5)
+    assert continued.json()["choices"][0]["logprobs"]["tokens"][-1] == _token_text(ByteTokenizer(), int(ref[-1].argmax()))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+
+
 def test_clients_that_leave_mid_stream_do_not_disturb_the_others(server):
     bodies = [{"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 8 + 5 * i, "temperature": 0.7 * (i % 2),
                "seed": i} for i in range(MAX_CONCURRENT)]
