@@ -44,8 +44,9 @@ the N likeliest, in OpenAI's legacy shape (`tokens`, `token_logprobs`, `top_logp
 puts the prompt before the completion, with its tokens' log-probabilities when asked (the
 first token's is null; they come from the same scheduled, batched and chunked prefill that
 chooses the first token: `SamplingParams.prompt_logprobs`), and `max_tokens: 0` with `echo`
-scores a prompt without showing a token (its row still samples one). With
-`/tokenizer_info`, `/tokenize` and `/detokenize` (vLLM's shapes) that is what
+scores a prompt without showing a token (its row still samples one, never fed back, so a prompt
+may fill the context). With `/tokenizer_info`, `/tokenize` (which reads a literal `<|eos|>` as
+the token, as vLLM's does) and `/detokenize` (vLLM's shapes) that is what
 lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks.
 `presence_penalty` and `frequency_penalty` are OpenAI's (on the output's tokens so far).
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
@@ -69,7 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from .errors import UserError
 from .generation import Engine, SamplingParams
 from .sampler import positions_run
-from .tokenizer import EOS_TOKEN
+from .tokenizer import EOS_TOKEN, encode_with_eos
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,7 +423,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Any:
-        ids = engine.tokenizer.encode(req.prompt)
+        ids = encode_with_eos(engine.tokenizer, req.prompt)     # "<|eos|>" is the token, as vLLM's reads it
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
 
     @app.post("/detokenize")

@@ -126,6 +126,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tok)
 
 
+def encode_with_eos(tok: AnyTokenizer, text: str) -> list[int]:
+    """Text with each literal "<|eos|>" read as the end-of-text token (as Hugging Face tokenizers
+    read special tokens in text). `encode` keeps such text as plain characters, so that no
+    document is ever split; a client that finds the eos id by tokenizing its string (the
+    server's /tokenize, for lm-evaluation-harness) needs this reading instead."""
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(EOS_TOKEN)):
+        if i:
+            ids.append(tok.eos_id)
+        ids.extend(tok.encode(piece) if piece else [])
+    return ids
+
+
 def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> AnyTokenizer:
     """The byte tokenizer for "byte" (texts and vocab_size unused); a trained BPE for "bpe"."""
     if kind == "byte":

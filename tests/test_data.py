@@ -12,8 +12,8 @@ import torch
 from looplm.data import (TokenSampler, default_corpus_files, encode_to_memmap, open_tokens,
                          read_documents, split_documents, val_batches)
 from looplm.errors import UserError
-from looplm.tokenizer import (BPETokenizer, ByteTokenizer, build_tokenizer, load_tokenizer,
-                              train_bpe)
+from looplm.tokenizer import (EOS_TOKEN, BPETokenizer, ByteTokenizer, build_tokenizer, encode_with_eos,
+                              load_tokenizer, train_bpe)
 
 TRICKY = "héllo wörld, 世界 🙂\n\ttabs  and  spaces <|eos|> end"
 
@@ -63,6 +63,19 @@ def test_token_bytes_concatenate_to_the_texts_utf8(bpe: BPETokenizer, kind: str)
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
     assert tok.token_bytes(tok.eos_id) == b""
     assert all(tok.token_bytes(i).decode("utf-8", "replace") == tok.decode([i]) for i in range(tok.vocab_size))
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_encode_with_eos_reads_the_literal_token_as_the_token(bpe: BPETokenizer, kind: str):
+    """The server's /tokenize reading: each literal "<|eos|>" is the eos id, the text around it
+    encoded as `encode` would (each piece alone: the token is a boundary)."""
+    tok = ByteTokenizer() if kind == "byte" else bpe
+    assert encode_with_eos(tok, EOS_TOKEN) == [tok.eos_id]         # lm-eval's eos lookup: encode(eos)[0]
+    a, b = "héllo wörld", " loop model"
+    assert encode_with_eos(tok, a + EOS_TOKEN + b + EOS_TOKEN * 2) == \
+        tok.encode(a) + [tok.eos_id] + tok.encode(b) + [tok.eos_id] * 2
+    assert encode_with_eos(tok, TRICKY.replace(EOS_TOKEN, "")) == tok.encode(TRICKY.replace(EOS_TOKEN, ""))
+    assert encode_with_eos(tok, "") == []
 
 
 def test_bpe_rejects_tiny_vocab():

@@ -170,7 +170,10 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
     from looplm.serve import _token_text
 
     base = server["base"]
-    assert httpx.get(f"{base}/tokenizer_info", timeout=10).json()["eos_token"] == "<|eos|>"
+    info = httpx.get(f"{base}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == "<|eos|>"
+    eos = httpx.post(f"{base}/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}, timeout=10)
+    assert eos.json()["tokens"][0] == info["eos_token_id"] == 256       # how lm-eval finds its end-of-text id
     context = httpx.post(f"{base}/tokenize", json={"prompt": "The loop", "add_special_tokens": False},
                          timeout=10).json()["tokens"]
     whole = httpx.post(f"{base}/tokenize", json={"prompt": "The loop runs"}, timeout=10).json()["tokens"]
