@@ -902,13 +902,16 @@ def test_the_lm_eval_task_example_builds_questions_from_a_runs_held_out_text(run
 
     run = shutil.copytree(run_dir, tmp_path / "run")       # the fixture's run stays as it is
     text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(40))
-    encode_to_memmap([("val.py", text)], TOK, run / "data" / "val.bin")
+    encode_to_memmap([("val.py", text), ("b.py", "x = 1\n" * 300), ("c.py", "é")], TOK, run / "data" / "val.bin")
     out = tmp_path / "task"
-    subprocess.run([sys.executable, "examples/lm_eval_task.py", str(run), "--out", str(out), "--questions", "12"],
-                   check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    subprocess.run([sys.executable, "examples/lm_eval_task.py", str(run), "--out", str(out), "--questions", "12",
+                    "--doc-chars", "500"], check=True, capture_output=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert str((out / "docs.jsonl").resolve()) in (out / "looplm_val_bpb.yaml").read_text()
+    docs = [json.loads(line)["text"] for line in (out / "docs.jsonl").read_text().splitlines()]
+    assert docs == [text[:500], ("x = 1\n" * 300)[:500]]              # one a document, cut; blank ones left out
     assert str((out / "data.jsonl").resolve()) in (out / "looplm_next_bytes.yaml").read_text()
     rows = [json.loads(line) for line in (out / "data.jsonl").read_text().splitlines()]
     assert len(rows) == 12
     for r in rows:
         assert len(r["choices"]) == 4 and len(r["context"]) == 60
-        assert r["context"] + r["choices"][r["label"]] in text
+        assert r["context"] + r["choices"][r["label"]] in text + "x = 1\n" * 300 + " "     # the split's text, ASCII
