@@ -135,6 +135,18 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
     return 0
 
 
+def _logit_bias(pairs: list[str]) -> dict[int, float]:
+    """--logit-bias ID=BIAS (repeatable) as {id: bias}; the ranges are SamplingParams's checks."""
+    out: dict[int, float] = {}
+    for pair in pairs:
+        tok, _, bias = pair.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise UserError(f"--logit-bias {pair!r}: must be TOKEN_ID=BIAS, e.g. 120=-100") from None
+    return out
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_run
     from .generation import generate_for_run
@@ -143,12 +155,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         exit=args.exit, prefill_cache=args.prefill_cache, decode_cache=args.decode_cache, missing=args.missing_kv,
         speculative=args.speculative, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=args.stop, logprobs=args.logprobs)
+        frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), stop=args.stop,
+        logprobs=args.logprobs)
     if args.no_cache:  # the slow reference: recompute the whole sequence for every token (sampling.py)
         from .sampling import generate_text
         defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
-                        top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, stop=[],
-                        logprobs=None)
+                        top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                        logit_bias={}, stop=[], logprobs=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
             from .halting import parse_exit_policy
@@ -299,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (1 = off)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty (0 = off)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty (0 = off)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="OpenAI's logit bias: add BIAS in [-100, 100] to token ID's logit (repeatable)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="report each token's log-probability and the N likeliest tokens' (with --json)")

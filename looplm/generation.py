@@ -261,6 +261,9 @@ class Engine:
             raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
         ctx = self.cfg.context
         for p, sp in zip(ids, plist):
+            if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:
+                raise UserError(f"logit_bias: token id {sp.logit_bias[-1][0]} is outside the vocabulary "
+                                f"(0..{self.cfg.vocab_size - 1})")
             if positions_run(len(p), sp.max_new_tokens) > ctx:
                 raise UserError(f"prompt: {len(p)} prompt tokens + {sp.max_new_tokens} new tokens exceed "
                                 f"the model context of {ctx} (positions run: prompt + new tokens - 1)")
@@ -383,7 +386,8 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                      decode_cache: str | None = None, missing: str | None = None, speculative: str | None = None,
                      top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                     stop: Sequence[str] = (), logprobs: int | None = None) -> dict[str, Any]:
+                     stop: Sequence[str] = (), logprobs: int | None = None,
+                     logit_bias: dict[int, float] | None = None) -> dict[str, Any]:
     """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details."""
     overrides = {k: v for k, v in dict(rounds=rounds, exit=exit, prefill_cache=prefill_cache,
                                        decode_cache=decode_cache, missing=missing,
@@ -391,7 +395,8 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
     engine = Engine.from_run(run, **overrides)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                             top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, stop=tuple(stop), logprobs=logprobs)
+                            frequency_penalty=frequency_penalty, logit_bias=logit_bias or {}, stop=tuple(stop),
+                            logprobs=logprobs)
     out = engine.generate([prompt], params)[0]
     st = out.stats
     result = {"text": out.text, "tokens": out.tokens, "rounds_used": out.rounds_used,

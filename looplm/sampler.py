@@ -44,6 +44,10 @@ class SamplingParams:
     """OpenAI's: subtracted from the logit of every token the output already holds ([-2, 2]; 0 = off)."""
     frequency_penalty: float = 0.0
     """OpenAI's: subtracted from a token's logit once per time the output already holds it ([-2, 2]; 0 = off)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's: (token id, bias in [-100, 100]) pairs added to those tokens' logits before
+    sampling (after the penalties; -100 in effect bans a token, 100 all but forces it). A dict
+    {id: bias} is accepted and stored sorted; at most 300 tokens."""
     stop: tuple[str, ...] = ()
     """Generation ends when the text contains one of these; the text is cut before it."""
     seed: int = 0
@@ -52,7 +56,7 @@ class SamplingParams:
     """End a row when it emits the tokenizer's eos token."""
     logprobs: int | None = None
     """Report each generated token's log-probability under the model (log-softmax of the logits,
-    before penalty, temperature, top-k and top-p) and the `logprobs` likeliest tokens' (None = off;
+    before penalties, logit bias, temperature, top-k and top-p) and the `logprobs` likeliest tokens' (None = off;
     0 = the chosen token's only; at most 20)."""
     prompt_logprobs: int | None = None
     """Report each prompt token's log-probability given the ones before it (None for the first)
@@ -76,6 +80,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be a number in [-2, 2] (0 = off)", getattr(self, name))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise bad("logit_bias", "must be (token id, bias) pairs or a dict {id: bias}", self.logit_bias) from None
+        if (len(bias) > 300 or len({t for t, _ in bias}) < len(bias)
+                or not all(is_int(t) and t >= 0 and is_num(b) and -100 <= b <= 100 for t, b in bias)):
+            raise bad("logit_bias", "must map at most 300 distinct token ids >= 0 to biases in [-100, 100]",
+                      self.logit_bias)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > 16 or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be at most 16 non-empty strings", self.stop)
@@ -107,8 +121,8 @@ def is_num(x: Any) -> bool:
 
 
 class Sampler:
-    """Per-row sampling: repetition, presence and frequency penalties, temperature, top-k, top-p,
-    a seeded generator per row."""
+    """Per-row sampling: repetition, presence and frequency penalties, logit bias, temperature,
+    top-k, top-p, a seeded generator per row."""
 
     def __init__(self, plist: list[SamplingParams], prompts: list[list[int]], vocab: int, device: torch.device):
         self.plist, self.V, self.device = list(plist), vocab, device
@@ -117,11 +131,13 @@ class Sampler:
         self.penalty: Tensor | None = None         # (B, 1)
         self.counts: Tensor | None = None          # (B, V) times each token is in each row's output
         self.pres_freq: Tensor | None = None       # (B, 2) presence and frequency penalties
+        self.bias: Tensor | None = None            # (B, V) each row's logit bias
         self._prompts = [list(p) for p in prompts]
         self._update_kinds()
 
     def _update_kinds(self) -> None:
-        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 and not sp.counts_output for sp in self.plist)
+        self.plain = all(sp.greedy and sp.repetition_penalty == 1.0 and not sp.counts_output and not sp.logit_bias
+                         for sp in self.plist)
         if self.seen is None and any(sp.repetition_penalty != 1.0 for sp in self.plist):
             self.seen = torch.zeros(len(self.plist), self.V, dtype=torch.bool, device=self.device)
             for b, p in enumerate(self._prompts):
@@ -131,6 +147,17 @@ class Sampler:
             self.counts = torch.zeros(len(self.plist), self.V, device=self.device)
             self.pres_freq = torch.tensor([[sp.presence_penalty, sp.frequency_penalty] for sp in self.plist],
                                           device=self.device)
+        if self.bias is None and any(sp.logit_bias for sp in self.plist):
+            self.bias = torch.zeros(len(self.plist), self.V, device=self.device)
+            for b, sp in enumerate(self.plist):
+                self._set_bias(b, sp)
+
+    def _set_bias(self, b: int, sp: SamplingParams) -> None:
+        assert self.bias is not None
+        self.bias[b] = 0
+        if sp.logit_bias:
+            ids, vals = zip(*sp.logit_bias)
+            self.bias[b, torch.tensor(ids)] = torch.tensor(vals)
 
     def set_row(self, b: int, sp: SamplingParams, prompt: list[int]) -> None:
         """Row b now serves a new request (its own parameters, seed, seen tokens and counts)."""
@@ -142,6 +169,8 @@ class Sampler:
         if self.counts is not None and self.pres_freq is not None:
             self.counts[b] = 0
             self.pres_freq[b] = torch.tensor([sp.presence_penalty, sp.frequency_penalty])
+        if self.bias is not None:
+            self._set_bias(b, sp)
         self._update_kinds()
 
     def __call__(self, logits: Tensor, rows: list[int] | None = None) -> Tensor:
@@ -154,6 +183,8 @@ class Sampler:
             logits = penalise(logits, self.seen[rows], self.penalty[rows])
         if self.counts is not None and self.pres_freq is not None:
             logits = penalise_counts(logits, self.counts[rows], self.pres_freq[rows])
+        if self.bias is not None:
+            logits = logits + self.bias[rows]
         out = logits.argmax(-1)
         for j, b in enumerate(rows):
             sp = self.plist[b]
@@ -190,6 +221,8 @@ class Sampler:
             for t in extra:
                 counts[t] += 1
             logits = penalise_counts(logits[None], counts[None], self.pres_freq[:1])[0]
+        if self.bias is not None:
+            logits = logits + self.bias[0]
         return logits
 
     def pick(self, logits: Tensor, extra: list[int]) -> tuple[int, Tensor | None]:

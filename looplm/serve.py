@@ -48,7 +48,8 @@ scores a prompt without showing a token (its row still samples one, never fed ba
 may fill the context). With `/tokenizer_info`, `/tokenize` (which reads a literal `<|eos|>` as
 the token, as vLLM's does) and `/detokenize` (vLLM's shapes) that is what
 lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks.
-`presence_penalty` and `frequency_penalty` are OpenAI's (on the output's tokens so far).
+`presence_penalty`, `frequency_penalty` (on the output's tokens so far) and `logit_bias` are
+OpenAI's; `best_of` other than `n` and a non-empty `suffix` are refused, not ignored.
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -251,6 +252,12 @@ class CompletionRequest(BaseModel):
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's: token id (as a string) -> bias in [-100, 100] added to its logit."""
+    best_of: StrictInt | None = None
+    """Accepted only as n (or absent): choosing the best of more samples is not done here."""
+    suffix: str | None = None
+    """Accepted only empty: completions do not insert text before a suffix."""
 
 
 def _seed(seed: int | None, temperature: float) -> int:
@@ -414,6 +421,16 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                                 f"context of {ctx} (positions run: prompt + max_tokens - 1)")
         return ids_list
 
+    def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's logit_bias (ids as strings) as {id: bias}; UserError for a key that is not an id
+        in the vocabulary (the range of the biases is SamplingParams's check)."""
+        out = {}
+        for key, value in (bias or {}).items():
+            if not key.strip().isdigit() or int(key) >= engine.cfg.vocab_size:
+                raise UserError(f"logit_bias: key {key!r} is not a token id in 0..{engine.cfg.vocab_size - 1}")
+            out[int(key)] = value
+        return out
+
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Any:
         """What a client that tokenizes through this server needs (lm-evaluation-harness's remote backend)."""
@@ -442,8 +459,14 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                           "max_tokens")
         if req.max_tokens == 0 and not req.echo:
             return _error(400, "max_tokens: 0 only with echo (to score a prompt)", "max_tokens")
+        if req.best_of not in (None, req.n):
+            return _error(400, f"best_of: {req.best_of} is not supported (only best_of = n); ask for n samples "
+                               "with logprobs and choose among them", "best_of")
+        if req.suffix:
+            return _error(400, "suffix: insertion (text before a suffix) is not supported", "suffix")
         seed = _seed(req.seed, req.temperature)
         try:
+            bias = logit_bias(req.logit_bias)
             ids_list = token_ids(req.prompt, req.max_tokens)
             if len(ids_list) * req.n > limits.max_batch:
                 raise UserError(f"{'prompt' if req.n == 1 else 'n'}: at most {limits.max_batch} completions in "
@@ -451,7 +474,8 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                     stop=() if req.stop is None else req.stop, seed=seed + j, logprobs=req.logprobs,
+                                     logit_bias=bias, stop=() if req.stop is None else req.stop, seed=seed + j,
+                                     logprobs=req.logprobs,
                                      prompt_logprobs=req.logprobs if req.echo else None)
                       for j in range(req.n)]                 # choice j of a prompt samples with seed + j
         except UserError as err:

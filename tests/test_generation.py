@@ -469,6 +469,46 @@ def test_presence_and_frequency_penalties_match_a_hand_computed_loop():
     assert spec.tokens == got[0].tokens
 
 
+def test_logit_bias_is_added_after_the_penalties_as_a_hand_computed_loop():
+    """OpenAI's logit_bias: each greedy token is the argmax of the forward pass's logits, minus the
+    penalties, plus the bias, computed here by hand; batched beside a row without a bias, in a row
+    that joins a running batch, under speculation; the reported logprobs stay the model's."""
+    m = tiny(**{"model.init_state": "prelude"})
+    eng = Engine(m, TOK, GenerationConfig())
+    plain = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    first = eng.generate(["hello"], plain)[0].tokens
+    bias = {first[0]: -100.0, first[3]: -3.0, ord("l"): 2.5}
+    sp = SamplingParams(max_new_tokens=12, frequency_penalty=0.5, logit_bias=bias, logprobs=0, stop_at_eos=False)
+    seq, counts, want, lps = TOK.encode("hello"), torch.zeros(m.cfg.vocab_size), [], []
+    add = torch.zeros(m.cfg.vocab_size)
+    add[list(bias)] = torch.tensor(list(bias.values()))
+    for _ in range(12):
+        with torch.no_grad():
+            logits = m(torch.tensor([seq])).logits[0, -1]
+        tok = int((logits - 0.5 * counts + add).argmax())
+        want.append(tok)
+        lps.append(float(torch.log_softmax(logits, -1)[tok]))
+        counts[tok] += 1
+        seq.append(tok)
+    biased, unbiased = eng.generate(["hello", "hello"], [sp, plain])
+    assert biased.tokens == want and unbiased.tokens == first and want[0] != first[0]
+    assert biased.logprobs == pytest.approx(lps, abs=1e-4)
+    running = SamplingParams(max_new_tokens=30, logit_bias={ord("z"): 1.0}, stop_at_eos=False)    # a bias already
+    run = eng.batch(["a somewhat longer prompt"], running, length=60, capacity=2)
+    run.step()
+    row, events = run.join("hello", sp)
+    while not run.finished:
+        events += run.step()
+    assert [ev.token for ev in events if ev.row == row] == want
+    assert Engine(m, TOK, GenerationConfig(speculative="1:3")).generate(["hello"], sp)[0].tokens == want
+    assert SamplingParams(logit_bias={5: 1, 2: -1}).logit_bias == ((2, -1.0), (5, 1.0))
+    for bad in ({5: 101}, {-1: 0}, {True: 1}, [(1, 1), (1, 2)], {i: 1 for i in range(301)}, [1, 2]):
+        with pytest.raises(UserError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(UserError, match="vocabulary"):
+        eng.generate(["x"], SamplingParams(logit_bias={m.cfg.vocab_size: 1}))
+
+
 @pytest.mark.parametrize("config", [{}, {"exit": "kl:0.02", "exit_in_prefill": True}])
 def test_prompt_logprobs_arrive_with_the_first_token_however_the_prompt_was_prefilled(config):
     """SamplingParams(prompt_logprobs=N): the prompt's figures ride on the row's first event and
@@ -825,13 +865,17 @@ def test_cli_generate_json(run_dir, capsys):
     lp = json.loads(capsys.readouterr().out)
     assert lp["tokens"] == out["tokens"] and len(lp["logprobs"]) == 8
     assert [top[0][0] for top in lp["top_logprobs"]] == out["tokens"]          # greedy: the likeliest token
+    assert main(["generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "8", "--json",
+                 "--logit-bias", "120=100", "--logit-bias", f"{out['tokens'][0]}=-100"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [120] * 8                  # forced
 
 
 @pytest.mark.parametrize("args", [
     ["--decode-cache", "most"], ["--prefill-cache", "x"], ["--exit", "soon"], ["--speculative", "0:1"], ["--speculative", "exit:2"],
     ["--speculative", "1:2", "--exit", "kl:0.1"], ["--max-new-tokens", "500"], ["--temperature", "-1"],
     ["--no-cache", "--top-k", "3"], ["--missing-kv", "skip"], ["--top-p", "2"], ["--logprobs", "21"],
-    ["--no-cache", "--logprobs", "1"],
+    ["--no-cache", "--logprobs", "1"], ["--logit-bias", "5"], ["--logit-bias", "x=1"], ["--logit-bias", "5=200"],
+    ["--logit-bias", "900=1"], ["--no-cache", "--logit-bias", "5=1"],
 ])
 def test_cli_generate_bad_input_exits_2_with_one_line(run_dir, capsys, args):
     assert main(["generate", str(run_dir), "--prompt", "hello", *args]) == 2

@@ -161,6 +161,18 @@ def test_logprobs_and_n(server):
         assert c["text"] == alone["choices"][0]["text"], i
 
 
+def test_logit_bias_bans_and_forces_tokens(server):
+    """OpenAI's logit_bias (token ids as strings): -100 on each greedy token in turn bans it, +100
+    on a token forces it; the logprobs reported stay the model's own."""
+    body = {"prompt": "The loop", "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    first = post(server, body).json()["choices"][0]["logprobs"]["tokens"][0]
+    first_id = int(first[8:], 16) if first.startswith("bytes:") else ord(first)
+    banned = post(server, {**body, "logit_bias": {str(first_id): -100}}).json()["choices"][0]
+    assert banned["logprobs"]["tokens"][0] != first
+    forced = post(server, {**body, "logit_bias": {"120": 100}}).json()["choices"][0]
+    assert forced["text"] == "xxxx" and all(v < 0 for v in forced["logprobs"]["token_logprobs"])
+
+
 def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
     """lm-evaluation-harness's local-completions loglikelihood: tokenize through /tokenize, send
     token ids with echo, logprobs 1 and max_tokens 1, and sum token_logprobs[ctxlen:-1]. That sum
@@ -237,6 +249,12 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
     ({"prompt": [[1, 2], "ab"]}, 400, "prompt"),
     ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "hi", "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"257": 1}}, 400, "logit_bias"),     # beyond the vocabulary
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": ["5"]}, 400, "logit_bias"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ({"prompt": "hi", "model": "someone-else"}, 404, "model"),
 ])
 def test_bad_requests_get_4xx_with_a_clear_message(server, body, status, param):
