@@ -232,6 +232,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: StrictBool = False
+    """A last chunk (before [DONE]) with no choices and the whole request's token counts."""
+
+
 class CompletionRequest(BaseModel):
     """The body of POST /v1/completions (OpenAI's fields; unknown ones are ignored)."""
 
@@ -246,6 +252,7 @@ class CompletionRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     stop: str | list[str] | None = None
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     seed: StrictInt | None = None
     n: StrictInt = Field(1, ge=1)
     echo: StrictBool = False
@@ -464,6 +471,8 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                                "with logprobs and choose among them", "best_of")
         if req.suffix:
             return _error(400, "suffix: insertion (text before a suffix) is not supported", "suffix")
+        if req.stream_options is not None and not req.stream:
+            return _error(400, "stream_options: only with stream: true", "stream_options")
         seed = _seed(req.seed, req.temperature)
         try:
             bias = logit_bias(req.logit_bias)
@@ -492,6 +501,9 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                     "choices": choices, **extra}
 
         n_prompt = sum(map(len, prompt_of))
+
+        def usage(n_out: int) -> dict[str, int]:
+            return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
         if not sched.try_reserve(n_rows):
             return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
                           None, "rate_limit_error")
@@ -536,7 +548,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
         if req.stream:
             async def sse() -> Any:
-                started = [False] * n_rows
+                started, n_out = [False] * n_rows, 0
                 try:
                     async for i, ev in rows():
                         if req.echo and not started[i]:             # the prompt, with the first token's figures
@@ -547,11 +559,15 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                             yield f"data: {json.dumps(body([choice]))}\n\n"
                         if scoring:
                             continue
+                        n_out += 1
                         text, lp = out.more(i, [ev])
                         choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
                         yield f"data: {json.dumps(body([choice]))}\n\n"
                 except Exception as err:
                     yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
+                else:
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        yield f"data: {json.dumps(body([], usage=usage(n_out)))}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
 
@@ -570,9 +586,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             choices.append({"index": i, "text": text, "logprobs": lp,
                             "finish_reason": "length" if scoring else evs[i][-1].finish_reason,
                             "rounds_used": [ev.rounds for ev in shown]})
-        n_out = 0 if scoring else sum(map(len, evs))
-        return body(choices, usage={"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                    "total_tokens": n_prompt + n_out})
+        return body(choices, usage=usage(0 if scoring else sum(map(len, evs))))
 
     return app
 

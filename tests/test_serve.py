@@ -118,6 +118,13 @@ def test_streaming_sends_the_same_text_as_events(server):
             reasons.append(choice["finish_reason"])
     assert done and len(pieces) == 10 and reasons[-1] == "length" and reasons[:-1] == [None] * 9
     assert "".join(pieces) == whole
+    with httpx.stream("POST", f"{server['base']}/v1/completions", timeout=60,
+                      json={**body, "prompt": ["stream me", "ab"], "n": 2, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1]) and len(chunks) == 4 * 10 + 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2 * 9 + 2 * 2,
+                                                                   "completion_tokens": 40, "total_tokens": 62}
 
 
 def test_concurrent_clients_get_their_own_answers(server):
@@ -255,6 +262,8 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
     ({"prompt": "hi", "logit_bias": ["5"]}, 400, "logit_bias"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),    # not streaming
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options"),
     ({"prompt": "hi", "model": "someone-else"}, 404, "model"),
 ])
 def test_bad_requests_get_4xx_with_a_clear_message(server, body, status, param):
