@@ -261,7 +261,7 @@ class Engine:
             raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
         ctx = self.cfg.context
         for p, sp in zip(ids, plist):
-            if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:
+            if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:        # sorted: the largest id
                 raise UserError(f"logit_bias: token id {sp.logit_bias[-1][0]} is outside the vocabulary "
                                 f"(0..{self.cfg.vocab_size - 1})")
             if positions_run(len(p), sp.max_new_tokens) > ctx:
