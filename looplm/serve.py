@@ -155,11 +155,20 @@ class Scheduler:
             elif any(b.join(self.waiting[0]) for b in self.running):
                 self.waiting.popleft()
             elif len(self.running) < self.limits.max_batches:
-                group = [self.waiting.popleft() for _ in range(min(max_batch, len(self.waiting)))]
+                group = [self.waiting.popleft()]
+                while len(group) < max_batch and self.waiting and self._fits(group + [self.waiting[0]]):
+                    group.append(self.waiting.popleft())
                 self.running.append(_Batch(group, self.engine, max_batch, self.limits.prefill_chunk))
             else:
                 break
         self.running = [b for b in self.running if b.step()]
+
+    def _fits(self, rows: list[_Row]) -> bool:
+        """Whether these prompts fit one batch: left-padded to the longest, each row's tokens after
+        it, so the longest prompt and the most new tokens must fit the context together (each
+        alone was checked when its request came in; those that do not fit wait for the next batch)."""
+        return positions_run(max(len(r.ids) for r in rows),
+                             max(r.params.max_new_tokens for r in rows)) <= self.engine.cfg.context
 
     def fail_all(self, err: Exception) -> None:
         """Send `err` to every waiting and running row and drop them."""

@@ -366,6 +366,27 @@ def test_a_short_request_is_not_held_behind_a_long_one():
     assert [t for n, t, _ in log if n == "long"] == engine.generate([list(b"a long one")], long_p)[0].tokens
 
 
+def test_prompts_that_fit_the_context_alone_but_not_together_start_separate_batches():
+    """A new batch left-pads its prompts to the longest, so a long prompt with few tokens and a
+    short one with many can each fit the context but not one batch: they go to batches of their
+    own (in order), and each gets what the engine gives it alone (this was an error for both)."""
+    from looplm.generation import SamplingParams
+
+    engine, sched = _scheduler(max_batch=4, max_batches=2)                 # context 128
+    long_prompt, long_p = bytes(range(32, 132)), SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    short_prompt, short_p = b"hi", SamplingParams(max_new_tokens=60, stop_at_eos=False)
+    log: list[tuple[str, int, bool]] = []
+    _submit(sched, log, "long", long_prompt, long_p)
+    _submit(sched, log, "short", short_prompt, short_p)
+    _submit(sched, log, "short2", short_prompt, short_p)
+    sched.tick()
+    assert [len(b.rows) for b in sched.running] == [1, 2]                  # not [3]: 100 + 60 - 1 > 128
+    _run(sched, log, lambda: not sched.busy)
+    for name, prompt, sp in (("long", long_prompt, long_p), ("short", short_prompt, short_p),
+                             ("short2", short_prompt, short_p)):
+        assert [t for n, t, _ in log if n == name] == engine.generate([list(prompt)], sp)[0].tokens, name
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
     """With prefill_chunk=8 a 60-token prompt's new batch takes 8 ticks to its first token, and
     the running batch emits a token at every one of them instead of waiting for the whole prompt."""
