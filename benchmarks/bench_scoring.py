@@ -15,37 +15,14 @@ prompt's figures are the same whichever way it was sent.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-import torch
-
-import looplm
-from looplm.checkpoint import save_checkpoint, write_text
-from looplm.tokenizer import ByteTokenizer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _untrained_run(folder: Path) -> Path:
-    recipe = looplm.load_recipe("quickstart")
-    torch.manual_seed(0)
-    save_checkpoint(folder, looplm.build_model(recipe), {"step": 0})
-    ByteTokenizer().save(folder / "checkpoint")
-    write_text(folder / "recipe.toml", recipe.to_toml())
-    return folder
+from _server import server, untrained_run
 
 
 def _sweep(client: httpx.Client, base: str, prompts: list[list[int]], per_request: int
@@ -71,26 +48,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="bench_scoring_")
-    run = Path(args.run) if args.run else _untrained_run(Path(tmp.name) / "quickstart")
+    run = Path(args.run) if args.run else untrained_run(Path(tmp.name) / "quickstart")
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(48, 112))] for _ in range(args.requests)]
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = open(Path(tmp.name) / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "looplm", "serve", str(run), "--port", str(port),
-                             "--max-batch", "8", "--threads", str(args.threads)], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up: see {log.name}")
-            time.sleep(0.2)
+    with server(run, Path(tmp.name) / "server.log", args.threads, "--max-batch", "8") as (base, _):
         client = httpx.Client()                                        # one connection, as lm-eval keeps
         _sweep(client, base, prompts[:16], 8)                          # warm-up
         times: dict[int, list[float]] = {1: [], 8: []}
@@ -99,10 +60,6 @@ def main() -> None:
             for n in times:
                 seconds, figures[n] = _sweep(client, base, prompts, n)
                 times[n].append(seconds)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
-        log.close()
     worst = max(abs(a - b) for x, y in zip(figures[1], figures[8]) for a, b in zip(x, y))
     print(f"{args.requests} prompts of 48..112 tokens, echo + logprobs 1 + max_tokens 1, {args.threads} thread(s), "
           f"median of {args.runs}")

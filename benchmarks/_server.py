@@ -1,0 +1,61 @@
+"""A real `looplm serve` process for the benchmark scripts: an untrained run and a started server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import torch
+
+import looplm
+from looplm.checkpoint import save_checkpoint, write_text
+from looplm.tokenizer import ByteTokenizer
+
+
+def untrained_run(folder: Path, recipe: str = "quickstart") -> Path:
+    """The recipe's initial weights saved as a run (speed and serving do not depend on training)."""
+    r = looplm.load_recipe(recipe)
+    torch.manual_seed(0)
+    save_checkpoint(folder, looplm.build_model(r), {"step": 0})
+    ByteTokenizer().save(folder / "checkpoint")
+    write_text(folder / "recipe.toml", r.to_toml())
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(run: Path, log_path: Path, threads: int, *flags: str) -> Iterator[tuple[str, int]]:
+    """`looplm serve RUN --port P --threads N FLAGS` on 127.0.0.1 until the block ends: (base URL, pid)."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "looplm", "serve", str(run), "--port", str(port),
+                                 "--threads", str(threads), *flags], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{base}/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the server did not come up: see {log_path}")
+                time.sleep(0.2)
+            yield base, proc.pid
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
