@@ -923,6 +923,42 @@ def test_several_row_products_take_either_layout_by_size(rows):
     assert torch.allclose(got[0], x @ w.t(), atol=1e-4)
 
 
+_PRIMITIVES = """
+import ctypes, gc, sys
+import torch
+from looplm import kernels
+def rss():
+    gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+ws = [(kernels.row_weight(w, 1), kernels.packed_weight(w)) for w in (torch.randn(768, 256), torch.randn(1408, 256))]
+kernels.mm(torch.randn(9, 256), ws[0])
+before = rss()
+for rows in range(16, 316):                    # 300 row counts, as prefills of different lengths bring
+    for w in ws:
+        kernels.mm(torch.randn(rows, 256), w)
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not os.path.exists("/proc/self/status"),
+                    reason="oneDNN's packed path and /proc are needed")
+def test_onednn_keeps_a_bounded_number_of_primitives():
+    """oneDNN caches one primitive per matrix and row count (~0.5 MB each here, both caches): a
+    server's prefills of ever new lengths grew its memory by hundreds of MB at oneDNN's default
+    of 1024 entries per cache; kernels.py caps them (kernels.PRIMITIVE_CACHE). 600 new shapes:
+    ~50 MB, against ~300 MB with the default capacities (the same script, the user's override)."""
+    import subprocess
+    import sys
+
+    def grown(**env):
+        out = subprocess.run([sys.executable, "-c", _PRIMITIVES], capture_output=True, text=True, check=True,
+                             env={k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k} | env)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    capped, default = grown(), grown(LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert capped < 100 < 200 < default, (capped, default)
+
+
 def test_a_new_thread_count_rebuilds_the_kernels():
     m = tiny()
     eng = Engine(m, TOK, GenerationConfig())
