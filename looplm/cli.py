@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--exit", help="exit policy for every request (default: the recipe's)")
     _cache_args(sv)
-    sv.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt (0 = context - 1)")
+    sv.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt (0 = the context)")
     sv.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     sv.add_argument("--max-concurrent", type=int, default=64, help="prompts in flight before 429")
     sv.add_argument("--max-batch", type=int, default=8, help="prompts decoded together")

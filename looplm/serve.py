@@ -79,7 +79,8 @@ class ServeLimits:
     """What one server accepts; every limit is configurable from `looplm serve`."""
 
     max_prompt_tokens: int = 0
-    """Longest prompt in tokens (0 = the model context minus one)."""
+    """Longest prompt in tokens (0 = the model context: a prompt that fills it can still be scored
+    with echo and max_tokens 0, or continued by one token)."""
     max_tokens: int = 512
     """Largest max_tokens a request may ask for (also bounded by the context)."""
     max_concurrent: int = 64
@@ -97,7 +98,7 @@ class ServeLimits:
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:
-            raise UserError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0 = context - 1)")
+            raise UserError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0 = the context)")
         for name in ("max_tokens", "max_concurrent", "max_batch", "max_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
@@ -368,7 +369,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
     if engine.tokenizer is None:
         raise ValueError("serving needs an engine with a tokenizer")
     ctx = engine.cfg.context
-    max_prompt = limits.max_prompt_tokens or ctx - 1
+    max_prompt = limits.max_prompt_tokens or ctx
     created = int(time.time())
 
     sched = Scheduler(engine, limits)

@@ -551,7 +551,7 @@ def test_a_prompt_of_the_whole_context_is_scored_in_a_served_batch():
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([ids]), initial_state=initial_noise_table(model.cfg, 3)[None])
                                 .logits[0], -1)
-    app = create_app(Engine(model, ByteTokenizer()), limits=ServeLimits(max_prompt_tokens=ctx))
+    app = create_app(Engine(model, ByteTokenizer()))                     # the default limit: the context
     ask = {"prompt": [ids, ids[:4]], "echo": True, "logprobs": 1, "temperature": 0, "seed": 3}
 
     async def scenario() -> list:
