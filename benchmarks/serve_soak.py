@@ -1,6 +1,7 @@
 """Many mixed requests against a real `looplm serve`: errors, answers, memory over time.
 
     python benchmarks/serve_soak.py [--run RUN] [--waves 8] [--requests 200] [--clients 24] [--threads 2]
+                                    [--engine KEY=VALUE ...]
 
 Starts a server on a run (default: the quickstart recipe's untrained weights in a temp folder)
 with `--max-batch 8 --max-concurrent 64`, and sends `--waves` waves of `--requests` requests from
@@ -8,7 +9,10 @@ with `--max-batch 8 --max-concurrent 64`, and sends `--waves` waves of `--reques
 1..110 tokens, n 1 or 2, greedy or sampled, logprobs, echo, logit_bias, stop strings, streaming
 (a few clients hang up mid-stream), and some made to be refused (a prompt and max_tokens that do
 not fit the context: 400). Prompts of different lengths and token counts meet in batches and
-join running ones (continuous batching).
+join running ones (continuous batching). `--engine` sets what every request runs, on the server
+and on the engine it is checked against (repeatable): exit=entropy:5.0, decode_cache=last,
+prefill_cache=first, missing=mask, speculative=1:4 (exit=fixed:2 for fewer rounds);
+prefill_chunk=8 goes to the server only (chunking does not change what is computed).
 
 Reports per wave: the status codes, requests/s and the server's resident memory; at the end, the
 server's /health. Checks: no status but 200, the 400s asked for and 429s (more than 64 in
@@ -79,14 +83,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="exit, prefill_cache, decode_cache, missing, speculative or prefill_chunk")
     args = ap.parse_args()
+    config = dict(kv.split("=", 1) for kv in args.engine)
+    flags = [f for k, v in config.items() for f in ("--" + ("missing-kv" if k == "missing" else k.replace("_", "-")), v)]
+    chunk = config.pop("prefill_chunk", None)
     tmp = tempfile.TemporaryDirectory(prefix="serve_soak_")
     run_dir = Path(args.run) if args.run else untrained_run(Path(tmp.name) / "quickstart")
     run = looplm.load_run(run_dir)
-    engine, context = Engine.from_run(run), run.recipe.model.context
+    engine, context = Engine.from_run(run, **config), run.recipe.model.context
+    print(f"server flags: {' '.join(flags) or '(none)'}" + (f" (prefill chunk {chunk})" if chunk else ""))
     failures: list[str] = []
     with server(run_dir, Path(tmp.name) / "server.log", args.threads,
-                "--max-batch", "8", "--max-concurrent", "64") as (base, pid):
+                "--max-batch", "8", "--max-concurrent", "64", *flags) as (base, pid):
         for wave in range(args.waves):
             ids = range(wave * args.requests, (wave + 1) * args.requests)
             built = [request(i, context) for i in ids]
