@@ -27,11 +27,10 @@ import json
 import shlex
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _runs import trained_run
 
 import looplm
 from looplm.adaptive import early_exit
@@ -107,16 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     run_path = args.run
     if run_path is None:
-        from looplm.train import train
-        tmp = tempfile.TemporaryDirectory(prefix="bench_exit_")
-        run_path = str(Path(tmp.name) / "ouro-style")
-        overrides = {"train.threads": args.threads}
-        if args.steps:
-            overrides["train.steps"] = args.steps
-        log(f"training ouro-style into {run_path} ...")
-        train(looplm.load_recipe("ouro-style", overrides), run_path, quiet=True)
+        overrides = {"train.threads": args.threads, **({"train.steps": args.steps} if args.steps else {})}
+        run_path, tmp = trained_run("ouro-style", overrides, "bench_exit_", log)
         if args.stage2_steps:
-            from looplm.train import stage2_recipe
+            from looplm.train import stage2_recipe, train
             log(f"stage II: {args.stage2_steps} gate-only steps ...")
             stage1, run_path = run_path, run_path + "-stage2"
             train(stage2_recipe(stage1, {"train.steps": args.stage2_steps, "train.threads": args.threads,

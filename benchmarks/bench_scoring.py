@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
-from _server import server, untrained_run
+from _runs import server, untrained_run
 
 
 def _sweep(client: httpx.Client, base: str, prompts: list[list[int]], per_request: int

@@ -25,10 +25,9 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
+from _runs import trained_run
 
 import looplm
 from looplm.evaluate import eval_batches_for
@@ -56,12 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = None
     run_path = args.run
-    if run_path is None:
-        from looplm.train import train
-        tmp = tempfile.TemporaryDirectory(prefix="bench_speculative_")
-        run_path = str(Path(tmp.name) / "quickstart")
-        log(f"training quickstart into {run_path} (about four minutes) ...")
-        train(looplm.load_recipe("quickstart"), run_path, quiet=True)
+    if run_path is None:                              # about four minutes
+        run_path, tmp = trained_run("quickstart", {}, "bench_speculative_", log)
     run = looplm.load_run(run_path)
     windows = torch.cat([x for x, _ in eval_batches_for(run)])
     if len(windows) < args.prompts or windows.shape[1] < args.prompt_len:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from _server import server, untrained_run
+from _runs import server, untrained_run
 
 import looplm
 from looplm.generation import Engine, SamplingParams

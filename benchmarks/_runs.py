@@ -1,14 +1,16 @@
-"""A real `looplm serve` process for the benchmark scripts: an untrained run and a started server."""
+"""Runs and servers for the benchmark scripts: a recipe trained or left untrained in a temp
+folder, and a real `looplm serve` process."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -27,6 +29,19 @@ def untrained_run(folder: Path, recipe: str = "quickstart") -> Path:
     ByteTokenizer().save(folder / "checkpoint")
     write_text(folder / "recipe.toml", r.to_toml())
     return folder
+
+
+def trained_run(recipe: str, overrides: dict, prefix: str, log: Callable[..., None]
+                ) -> tuple[str, tempfile.TemporaryDirectory]:
+    """The recipe trained into a temp folder (its path, and the folder: gone when that is cleaned
+    up or collected)."""
+    from looplm.train import train
+
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    path = str(Path(tmp.name) / recipe)
+    log(f"training {recipe} into {path} ...")
+    train(looplm.load_recipe(recipe, overrides), path, quiet=True)
+    return path, tmp
 
 
 def free_port() -> int:
