@@ -37,7 +37,10 @@ class LoopOutput:
     round_logits: dict[int, Tensor] = field(default_factory=dict)
     """round -> (B, T, V) readouts at the requested rounds (loss placement, logit lens)."""
     grad_rounds: tuple[int, ...] = ()
-    """Rounds whose computation received gradient (backward window)."""
+    """Rounds whose computation receives gradient from the readouts asked for (readout_rounds, else the
+    final one): the backward window's rounds up to the last of them (see engine.unroll)."""
+    readout_only_rounds: tuple[int, ...] = ()
+    """Read-out rounds before the window: their logits train only the coda and head (and the gate)."""
     state: Tensor | None = None
     """(B, T, d) loop state after the last round."""
     hazards: Tensor | None = None
@@ -49,7 +52,8 @@ class LoopOutput:
     stats: dict[str, list[float]] = field(default_factory=dict)
     """Per-round diagnostics when asked for: state_rms, update_rms."""
     round_states: list[Tensor] = field(default_factory=list)
-    """States after each round (kept when collect_stats, for gradient diagnostics)."""
+    """States after each round (kept when collect_stats, for gradient diagnostics); those before the
+    backward window do not require grad."""
 
 
 def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
@@ -198,12 +202,23 @@ class LoopedLM(nn.Module):
             return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # (B, 1, T, Dh/2)
 
-    def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None, start: int = 0,
+                      positions: Tensor | None = None) -> Tensor:
+        """(B, T, d) state before round 1. A random initial state is fresh noise in training or when a
+        generator is passed; in eval mode without one it is `initial_noise_table(cfg, 0)` at the tokens'
+        positions, so the same input gives the same logits, equal to the engine's at seed 0."""
         kind = self.cfg.init_state
         if kind == "zeros":
             return torch.zeros_like(e)
         if kind == "prelude":
             return e
+        if generator is None and not self.training:
+            table = initial_noise_table(self.cfg, 0).to(device=e.device, dtype=e.dtype)     # (context, d)
+            rows = table[start:start + e.shape[1]] if positions is None else table[positions]
+            return rows.expand_as(e)
+        if generator is not None and generator.device != e.device:
+            # a CPU generator (the trainer's, seeded per step) draws the same numbers on every device
+            return (torch.randn(e.shape, generator=generator, dtype=e.dtype) * self.cfg.init_state_std).to(e.device)
         noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
         return noise * self.cfg.init_state_std
 
@@ -264,28 +279,25 @@ class LoopedLM(nn.Module):
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds the model context {self.cfg.context}")
         rope = self.rope(start_pos, T, positions)
         e = self.encode(idx, rope, cache)                     # (B, T, d)
-        s0 = self.initial_state(e, generator) if initial_state is None else initial_state.to(e.dtype)
-        hazards: list[Tensor] = []
-        states: list[Tensor] = []
-
-        def step(s: Tensor, r: int) -> Tensor:
-            s = self.core_step(s, e, r, rope, cache)
-            if self.gate is not None:
-                hazards.append(self.hazard(s))
-            if collect_stats:
-                states.append(s)
-            return s
+        s0 = (self.initial_state(e, generator, start_pos, positions) if initial_state is None
+              else initial_state.to(e.dtype))
 
         wanted = set(readout_rounds or ()) | {rounds}
         # Each readout runs the coda. With a cache every readout attends to the cached coda history
         # (a one-token decode step has no other); the cache keeps the last write, the final round's.
-        run = unroll(step, s0, rounds, backward_window, wanted,
-                     readout=lambda s, r: self.readout(s, rope, cache, r))
+        run = unroll(lambda s, r: self.core_step(s, e, r, rope, cache), s0, rounds, backward_window, wanted,
+                     readout=lambda s, r: self.readout(s, rope, cache, r),
+                     keep_states=self.gate is not None or collect_stats,
+                     loss_rounds=readout_rounds or (rounds,))
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
-                         grad_rounds=run.grad_rounds, state=run.state, cache=cache)
-        if hazards:
-            out.hazards = torch.stack(hazards, dim=-1)        # (B, T, R)
+                         grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
+                         state=run.state, cache=cache)
+        if self.gate is not None:
+            # The gate reads each round's state like a readout: before the window the state is a
+            # constant, so those hazards train the gate alone.
+            out.hazards = torch.stack([self.hazard(s) for s in run.states], dim=-1)   # (B, T, R)
         if collect_stats:
+            states = run.states
             out.round_states = states
             prev = [s0] + states[:-1]
             with torch.no_grad():

@@ -34,7 +34,9 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
         depth = (f"log-normal Poisson (Huginn): rate ~ LogNormal(ln {d.mean} - {d.sigma}^2/2, {d.sigma}), "
                  f"rounds = Poisson(rate) + 1, clamped to {d.min}..{d.max}; drawn per micro-batch from (seed, step)")
     window = ("full backpropagation through every round" if b.window == "all" else
-              f"gradients through only the last {b.window} rounds; earlier rounds run but their state is detached")
+              f"gradients through only the last {b.window} rounds: earlier rounds run without gradient (their "
+              "state is a constant entering the window); a supervised readout or gate hazard at a round before "
+              "the window trains only the coda, head and gate, never the core or prelude")
     if s.kind == "final":
         sup = "next-token loss on the final round only"
     elif s.kind == "rounds":
@@ -83,7 +85,10 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                     if rec.get("train", {}).get("stage") == 2 else "")] if report.get("init_from") else []),
               f"- sampled forward rounds (per micro-batch): {_hist_line(report['depth_histogram'])}; "
               f"mean {report['mean_train_rounds']:.2f}",
-              f"- gradient-visible rounds: {_hist_line(report['backward_histogram'])}",
+              f"- gradient-visible rounds: {_hist_line(report['backward_histogram'])}"
+              + (f"; supervised readouts before the window (trained the readout only): "
+                 f"{_hist_line(report['loss_placement']['readout_only_round_counts'])}"
+                 if report['loss_placement'].get('readout_only_round_counts') else ""),
               f"- supervised rounds (count of micro-batches): "
               f"{_hist_line(report['loss_placement']['supervised_round_counts'])}"
               + (f"; {report['loss_placement']['fallback_to_final_steps']} fell back to the final round"

@@ -76,6 +76,8 @@ class Counters:
     depth_histogram: Counter = field(default_factory=Counter)
     backward_histogram: Counter = field(default_factory=Counter)
     supervised_rounds: Counter = field(default_factory=Counter)
+    readout_only_rounds: Counter = field(default_factory=Counter)
+    """Supervised rounds that lay before the backward window (their loss trained the readout only)."""
     fallback_steps: int = 0
     token_passes: int = 0
     tokens_seen: int = 0
@@ -88,6 +90,7 @@ class Counters:
             return torch.tensor(sorted(c.items()), dtype=torch.long).reshape(-1, 2)
         return {"depth_histogram": hist(self.depth_histogram), "backward_histogram": hist(self.backward_histogram),
                 "supervised_rounds": hist(self.supervised_rounds),
+                "readout_only_rounds": hist(self.readout_only_rounds),
                 "scalars": torch.tensor([self.fallback_steps, self.token_passes, self.tokens_seen], dtype=torch.long),
                 "floats": torch.tensor([self.train_flops, self.train_time_s], dtype=torch.float64),
                 "losses": torch.tensor(self.losses, dtype=torch.float64)}
@@ -98,8 +101,10 @@ class Counters:
             return Counter({int(k): int(v) for k, v in t.tolist()})
         fb, tp, ts = s["scalars"].tolist()
         flops, t = s["floats"].tolist()
+        # readout_only_rounds is absent from checkpoints written before it was recorded
+        readout_only = hist(s["readout_only_rounds"]) if "readout_only_rounds" in s else Counter()
         return cls(hist(s["depth_histogram"]), hist(s["backward_histogram"]), hist(s["supervised_rounds"]),
-                   fb, tp, ts, flops, s["losses"].tolist(), t)
+                   readout_only, fb, tp, ts, flops, s["losses"].tolist(), t)
 
 
 def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
@@ -152,6 +157,8 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     counters.backward_histogram[len(out.grad_rounds)] += 1
     for r in place.rounds:
         counters.supervised_rounds[r] += 1
+    for r in out.readout_only_rounds:
+        counters.readout_only_rounds[r] += 1
     counters.fallback_steps += int(place.fallback)
     counters.tokens_seen += x.numel()
     counters.token_passes += x.numel() * rounds
@@ -171,9 +178,11 @@ def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: tor
 
 
 def round_diagnostics(out) -> dict[str, Any]:
-    """Per-round state RMS, update RMS and gradient RMS at the state after each round (a log step)."""
+    """Per-round state RMS, update RMS and gradient RMS at the state after each round (a log step).
+    grad_rms is None (JSON null) for rounds before the backward window: no gradient can reach them."""
     stats = dict(out.stats)
-    stats["grad_rms"] = [s.grad.float().pow(2).mean().sqrt().item() if s.grad is not None else 0.0
+    stats["grad_rms"] = [None if not s.requires_grad else
+                         s.grad.float().pow(2).mean().sqrt().item() if s.grad is not None else 0.0
                          for s in out.round_states]
     return stats
 
@@ -362,6 +371,7 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         "backward_histogram": {str(k): v for k, v in sorted(counters.backward_histogram.items())},
         "loss_placement": {"kind": place.kind, "rounds": list(place.rounds), "weights": list(place.round_weights),
                            "supervised_round_counts": {str(k): v for k, v in sorted(counters.supervised_rounds.items())},
+                           "readout_only_round_counts": {str(k): v for k, v in sorted(counters.readout_only_rounds.items())},
                            "fallback_to_final_steps": counters.fallback_steps},
         "train_loss_final": sum(tail) / len(tail),
         "val_loss_by_rounds": {str(r): v["loss"] for r, v in val.items()},

@@ -68,20 +68,38 @@ def test_no_gradient_reaches_state_before_window():
 
     def step(s, r):
         s = w * s + 1.0
-        s.retain_grad()
+        if s.requires_grad:          # rounds before the window run under no_grad: nothing to retain
+            s.retain_grad()
         states.append(s)
         return s
 
     run = looplm.unroll(step, torch.tensor(0.0), 5, backward_window=2)
     run.state.backward()
-    assert states[0].grad is None and states[1].grad is None and states[2].grad is None  # before the window
+    assert not any(s.requires_grad for s in states[:3])           # before the window: no graph at all
     assert states[3].grad is not None and states[4].grad is not None
+    assert run.grad_rounds == (4, 5)
 
 
-def test_should_stop_skips_remaining_rounds():
-    calls = []
-    run = looplm.unroll(lambda s, r: calls.append(r) or s + 1, 0, 8, should_stop=lambda r, s, k: s >= 3)
-    assert calls == [1, 2, 3] and run.rounds_run == 3 and run.state == 3
+def test_readout_before_window_trains_only_the_readout():
+    """The seeds' example, read out at rounds 2 and 4 with a window of the last 2 rounds. The round-2
+    readout lies before the window: its loss must not reach w through rounds 1-2, so dL/dw is the
+    truncated round-4 term alone (-0.3125), not that plus (s2 - 2) * ds2/dw = -0.5 * 1."""
+    w = torch.tensor(0.5, requires_grad=True)
+    c = torch.tensor(1.0, requires_grad=True)          # a readout weight: y = c * s
+    run = looplm.unroll(lambda s, r: w * s + 1.0, torch.tensor(0.0), 4, backward_window=2,
+                        readout_rounds=(2, 4), readout=lambda s, r: c * s)
+    loss = sum((y - 2) ** 2 / 2 for y in run.readouts.values())
+    loss.backward()
+    assert run.readouts[2].item() == 1.5 and run.readouts[4].item() == 1.875
+    assert w.grad.item() == pytest.approx(-0.3125, abs=1e-12)
+    # the readout weight still learns from both readouts: (1.5-2)*1.5 + (1.875-2)*1.875
+    assert c.grad.item() == pytest.approx(-0.5 * 1.5 - 0.125 * 1.875, abs=1e-12)
+    assert run.grad_rounds == (3, 4) and run.readout_only_rounds == (2,)
+
+
+def test_keep_states():
+    run = looplm.unroll(lambda s, r: s + r, 0, 4, keep_states=True)
+    assert run.states == [1, 3, 6, 10] and run.state == 10
 
 
 def test_invalid_rounds():
