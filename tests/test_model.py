@@ -149,3 +149,24 @@ def test_untied_refuses_other_depths():
     m = looplm.build_model(tiny_recipe(**{"model.untied": True}))
     with pytest.raises(ValueError):
         m(torch.zeros(1, 4, dtype=torch.long), 2)
+
+
+def test_eval_forward_is_deterministic_and_matches_the_engine():
+    """A random initial state (Huginn) is fresh noise only in training or with a generator: in eval mode
+    the same input gives the same logits, those of the engine's seed-0 noise table at each position."""
+    from looplm.model import initial_noise_table
+    model = looplm.build_model(tiny_recipe(**{"model.init_state": "random"})).eval()
+    idx = torch.randint(0, 257, (2, 10))
+    with torch.no_grad():
+        a, b = model(idx).logits, model(idx).logits
+        table = initial_noise_table(model.cfg, 0)[:10].expand(2, 10, -1)
+        ref = model(idx, initial_state=table).logits
+        shifted = model(idx[:, 4:], start_pos=4).logits                   # positions 4..9 of the same table
+        drawn = model(idx, generator=torch.Generator().manual_seed(5)).logits
+    assert torch.equal(a, b) and torch.equal(a, ref)
+    assert torch.allclose(shifted, model(idx[:, 4:], start_pos=4,
+                                         initial_state=table[:, 4:]).logits, atol=0)
+    assert (drawn - a).abs().max() > 1e-3                              # a generator still draws fresh noise
+    model.train()
+    with torch.no_grad():
+        assert (model(idx).logits - model(idx).logits).abs().max() > 1e-3   # training: fresh noise per call
