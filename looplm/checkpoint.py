@@ -4,24 +4,31 @@ A run folder holds `recipe.toml` (the resolved recipe) and `checkpoint/` with
 `model.safetensors`, the tokenizer files and `state.pt` (optimizer, step, counters, sampler
 coverage). Every file is written atomically (temp file, fsync, rename) so a run killed
 mid-write leaves the previous checkpoint intact. Nothing here unpickles arbitrary objects.
+
+state.pt carries CHECKPOINT_VERSION; loading refuses a newer one. A recipe.toml from an older
+looplm may lack fields added since: they take their defaults, each logged and kept on the Run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_model, save_model
 
-from .config import Recipe, load_recipe
+from .config import Recipe, dump_toml, filled_defaults, read_recipe_dict, recipe_from_dict
 from .errors import UserError
 
 CHECKPOINT_VERSION = 1
+"""Bump when state.pt or model.safetensors change in a way older code would misread."""
+
+log = logging.getLogger(__name__)
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -50,14 +57,36 @@ def save_checkpoint(run_dir: Path, model: torch.nn.Module, state: dict[str, Any]
     atomic_write(ckpt / "state.pt", lambda tmp: torch.save(state, tmp))
 
 
-def load_state(run_dir: Path) -> dict[str, Any]:
+def load_state(run_dir: Path, mmap: bool = False) -> dict[str, Any]:
+    """RUN/checkpoint/state.pt, refused unless its version is one this code reads. mmap leaves the
+    tensors (optimizer moments) on disk until touched, for callers that only need the version."""
     path = Path(run_dir) / "checkpoint" / "state.pt"
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        state = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except FileNotFoundError:
         raise UserError(f"run {run_dir}: no checkpoint/state.pt (was the run finished?)") from None
     except Exception as err:  # corrupt or not a weights-only file
         raise UserError(f"run {run_dir}: checkpoint/state.pt is unreadable ({type(err).__name__})") from None
+    version = state.get("version") if isinstance(state, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise UserError(f"run {run_dir}: checkpoint/state.pt has no valid version ({version!r}); "
+                        "it was not written by looplm")
+    if version > CHECKPOINT_VERSION:
+        raise UserError(f"run {run_dir}: checkpoint version {version} is newer than this looplm reads "
+                        f"(up to {CHECKPOINT_VERSION}); upgrade looplm to load it")
+    return state
+
+
+def load_run_recipe(run_dir: Path) -> tuple[Recipe, dict[str, Any]]:
+    """RUN/recipe.toml as a Recipe, and the fields it lacked (dotted key -> default filled in),
+    each logged as a warning: a run from an older looplm then says what it was assumed to use."""
+    data = read_recipe_dict(str(Path(run_dir) / "recipe.toml"))
+    recipe = recipe_from_dict(data)
+    filled = filled_defaults(data, recipe)
+    for key, value in filled.items():
+        shown = dump_toml({key: list(value) if isinstance(value, tuple) else value}).strip()
+        log.warning(f"run {run_dir}: recipe.toml has no {key} (older looplm); using the default {shown}")
+    return recipe, filled
 
 
 def load_weights(run_dir: Path, model: torch.nn.Module, allow_missing: str | None = None) -> None:
@@ -87,6 +116,10 @@ class Run:
     model: torch.nn.Module
     tokenizer: Any
     report: dict[str, Any]
+    version: int = CHECKPOINT_VERSION
+    """The checkpoint format version the run was saved with."""
+    filled_defaults: dict[str, Any] = field(default_factory=dict)
+    """Recipe fields missing from the run's recipe.toml (written by an older looplm) -> the default used."""
 
 
 def load_run(path: str | Path) -> Run:
@@ -98,7 +131,9 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"run {run_dir}: no such folder")
     if not (run_dir / "recipe.toml").is_file():
         raise UserError(f"run {run_dir}: missing recipe.toml (not a looplm run folder)")
-    recipe = load_recipe(str(run_dir / "recipe.toml"))
+    # version first: a newer run's recipe may hold keys this code does not know
+    version = load_state(run_dir, mmap=True)["version"]
+    recipe, filled = load_run_recipe(run_dir)
     model = build_model(recipe)
     load_weights(run_dir, model)
     model.eval()
@@ -109,4 +144,5 @@ def load_run(path: str | Path) -> Run:
             report = json.loads((run_dir / "report.json").read_text())
         except json.JSONDecodeError:
             raise UserError(f"run {run_dir}: report.json is not valid JSON") from None
-    return Run(path=run_dir, recipe=recipe, model=model, tokenizer=tokenizer, report=report)
+    return Run(path=run_dir, recipe=recipe, model=model, tokenizer=tokenizer, report=report,
+               version=version, filled_defaults=filled)

@@ -1,11 +1,16 @@
 """`looplm check RUN`: the seeds' "checks before claiming a saving", run against a trained model.
 
-Each check recomputes something independently and compares: a future-token perturbation
+Each check recomputes something on the run's model and compares: a future-token perturbation
 must not change earlier predictions; the shared core must be one set of tensors (and the
-optimizer must see each once); the looped model must equal an untied stack of copies;
-the state must stay finite past the trained depth; the FLOP count must grow with every
-visit; the recorded gradient-visible rounds must respect the backward window; exit masses
-must sum to 1 with a forced last exit; cached decoding must equal a full forward pass.
+optimizer must see each once); the looped model must equal an untied stack of copies; the
+state must stay finite and stop growing past the trained depth; the FLOP count must grow with
+every visit; autograd must deliver gradient to exactly the rounds the backward window names
+(and the trainer's record must say the same); exit masses must sum to 1 with a forced last
+exit; token-passes must add up.
+
+A check has three outcomes: passed, failed, or not applicable (the property does not exist
+in this run, e.g. exit masses without an exit gate). Not applicable is never counted as
+passed; only a failed check makes `looplm check` exit 1.
 """
 
 from __future__ import annotations
@@ -20,15 +25,38 @@ import torch
 from .checkpoint import Run
 from .model import LoopedLM, build_model
 
+PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "not applicable"
+
+STATE_GROWTH_LIMIT = 1.25
+"""Largest allowed rms(state at 2x the trained max depth) / rms(state at the trained max depth).
+A state that has settled (a fixed point, or a normalised state) gives about 1.0; 1.25 leaves room
+for a slow approach to a fixed point but flags any growth like r^p with p >= log2(1.25) = 0.32:
+linear growth (each round adds an update that never cancels, 2.0x over the doubled depth) and
+random-walk growth (sqrt, 1.41x) both fail. 2.0 would pass exactly linear growth, the failure
+seen on quickstart (state RMS 23.9 at round 1 -> 384 at round 16)."""
+
 
 @dataclass
 class CheckResult:
     name: str
-    passed: bool
+    passed: bool | None
+    """True / False; None when the check does not apply to this run (never counted as passed)."""
     detail: str
 
+    def __post_init__(self) -> None:
+        if self.passed is not None:
+            self.passed = bool(self.passed)
+
+    @classmethod
+    def not_applicable(cls, name: str, why: str) -> "CheckResult":
+        return cls(name, None, f"not applicable: {why}")
+
+    @property
+    def status(self) -> str:
+        return NOT_APPLICABLE if self.passed is None else PASS if self.passed else FAIL
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "detail": self.detail}
+        return {"name": self.name, "status": self.status, "passed": self.passed, "detail": self.detail}
 
 
 def _sample_ids(run: Run, T: int, seed: int = 0) -> torch.Tensor:
@@ -75,7 +103,8 @@ def check_shared_parameters(run: Run) -> CheckResult:
 def check_untied_parity(run: Run) -> CheckResult:
     recipe = run.recipe
     if recipe.model.untied:
-        return CheckResult("looped_equals_untied_copies", True, "run is the untied baseline itself; nothing to compare")
+        return CheckResult.not_applicable("looped_equals_untied_copies",
+                                          "the run is the untied baseline itself; there is no shared core to compare")
     R = recipe.depth.rounds
     untied_recipe = recipe.replace(model=dataclasses.replace(recipe.model, untied=True),
                                    depth=dataclasses.replace(recipe.depth, kind="fixed"))
@@ -97,22 +126,37 @@ def check_untied_parity(run: Run) -> CheckResult:
 
 @torch.no_grad()
 def check_state_stability(run: Run) -> CheckResult:
+    """Run 2x the trained max depth; fail on a non-finite state or logits, or when the state RMS
+    grows by more than STATE_GROWTH_LIMIT between the trained max depth and the end."""
+    name = "state_stable_past_training_depth"
     if run.recipe.model.untied:
-        return CheckResult("state_finite_past_training_depth", True, "untied baseline runs one depth only")
-    R = 2 * run.recipe.depth.max_rounds
+        return CheckResult.not_applicable(name, "the untied baseline has blocks for one depth only; "
+                                                "it cannot run past it")
+    trained = run.recipe.depth.max_rounds
+    R = 2 * trained
     out = run.model(_sample_ids(run, min(24, run.model.cfg.context)), R, collect_stats=True,
                     generator=torch.Generator().manual_seed(0))
-    rms = out.stats["state_rms"]
-    ok = all(torch.isfinite(torch.tensor(rms))) and torch.isfinite(out.logits).all().item()
-    return CheckResult("state_finite_past_training_depth", bool(ok),
-                       f"state RMS over {R} rounds (2x training max): first {rms[0]:.3g}, last {rms[-1]:.3g}, "
-                       f"max {max(rms):.3g}")
+    # measured here from the states themselves, not from the model's own stats
+    rms = [s.float().pow(2).mean().sqrt().item() for s in out.round_states]       # one per round
+    finite = all(torch.isfinite(torch.tensor(rms)).tolist()) and bool(torch.isfinite(out.logits).all())
+    at_trained, last = rms[trained - 1], rms[-1]
+    growth = last / at_trained if at_trained > 0 else float("inf")
+    per_round = growth ** (1 / (R - trained)) if growth < float("inf") else float("inf")
+    within = rms[trained - 1] / rms[0] if rms[0] > 0 else float("inf")
+    ok = finite and growth <= STATE_GROWTH_LIMIT
+    return CheckResult(name, ok,
+                       f"state RMS over {R} rounds (2x trained max {trained}): round 1 {rms[0]:.3g}, "
+                       f"round {trained} {at_trained:.3g}, round {R} {last:.3g}, max {max(rms):.3g}; "
+                       f"growth past the trained depth {growth:.3g}x ({per_round:.3g}x per round; "
+                       f"limit {STATE_GROWTH_LIMIT}x); growth over the trained depths (information) {within:.3g}x"
+                       + ("" if finite else "; NON-FINITE state or logits"))
 
 
 def check_flops_count_every_visit(run: Run) -> CheckResult:
     model, T = run.model, run.recipe.data.seq_len
     if run.recipe.model.untied:
-        return CheckResult("flops_count_every_visit", True, "untied baseline: one block per visit by construction")
+        return CheckResult.not_applicable("flops_count_every_visit",
+                                          "the untied baseline runs one depth only; there is no extra round to count")
     f1, f2, f3 = (model.flops_per_token(r, T) for r in (1, 2, 3))
     per_round = f2 - f1
     ok = per_round > 0 and abs((f3 - f2) - per_round) <= 1e-6 * f3
@@ -122,23 +166,101 @@ def check_flops_count_every_visit(run: Run) -> CheckResult:
                        f"(>= 6 x {core:,} shared core parameters)")
 
 
+def _training_supervision(recipe, rounds: int):
+    """The supervision a training micro-batch of `rounds` rounds uses (train_step's `supervision`)."""
+    from .config import SupervisionConfig
+    if recipe.data.task and recipe.data.depth_by_difficulty:
+        # taskdata.depth_plan: every round from the example's level on (from 1 at level 1 or with
+        # trace targets); the final round is always among them
+        return SupervisionConfig(kind="rounds", rounds=tuple(range(1, rounds + 1)))
+    return recipe.supervision
+
+
+def _window_rounds(recipe, rounds: int) -> tuple[int, ...]:
+    """The rounds that must receive gradient, from the recipe alone: the last min(window, R) rounds,
+    up to the last loss-bearing readout inside them (a loss only on rounds before the window trains
+    the readout alone); none in stage II, where the language model is frozen and only the gate
+    (reading each state as a constant) trains."""
+    from .losses import placement
+    if recipe.train.stage == 2:
+        return ()
+    window = recipe.backward.window
+    first = 1 if window == "all" else max(1, rounds - window + 1)
+    place = placement(_training_supervision(recipe, rounds), rounds)   # learned_exit: every round
+    last = max((q for q in place.rounds if q >= first), default=0)
+    return tuple(range(first, last + 1))
+
+
+def measured_grad_rounds(model: LoopedLM, recipe, x: torch.Tensor, rounds: int
+                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One training step's backward on a copy of `model`, as the trainer runs it (train_step: the
+    recipe's supervision placement, stage II's every-round gate loss, the backward window min'd with
+    `rounds`, the trainer's trainable parameters). x: (B, T+1) token ids; inputs x[:, :-1], targets
+    x[:, 1:].
+
+    Returns (measured, recorded): measured = the rounds whose output state autograd gave a nonzero
+    gradient; recorded = `out.grad_rounds`, what the trainer counts into backward_histogram."""
+    from .train import Counters, train_step
+    m = copy.deepcopy(model).train()
+    trainable = (lambda n: n.startswith("gate.")) if recipe.train.stage == 2 else (lambda n: True)
+    for n, p in m.named_parameters():          # the trainer freezes all but the gate in stage II
+        p.requires_grad_(trainable(n))
+        p.grad = None
+    _, out, _ = train_step(m, recipe, x[:, :-1], x[:, 1:], step=0, micro=0, counters=Counters(),
+                           collect_stats=True, rounds=rounds, supervision=_training_supervision(recipe, rounds))
+    measured = tuple(r for r, s in enumerate(out.round_states, start=1)
+                     if s.grad is not None and bool(s.grad.detach().abs().max() > 0))
+    return measured, tuple(out.grad_rounds)
+
+
+def check_backward_window_measured(run: Run) -> CheckResult:
+    """Autograd, not the record: at the recipe's min, nominal and max depth, the rounds that receive
+    gradient in a training step must be exactly the backward window's rounds (up to the last
+    supervised one) and exactly what the trainer records."""
+    recipe = run.recipe
+    d = recipe.depth
+    depths = [d.rounds] if recipe.model.untied else sorted({d.min_rounds, d.rounds, d.max_rounds})
+    x = _sample_ids(run, min(16, run.model.cfg.context) + 1)
+    parts, ok = [], True
+    for R in depths:
+        measured, recorded = measured_grad_rounds(run.model, recipe, x, R)
+        expected = _window_rounds(recipe, R)
+        ok = ok and measured == recorded == expected
+        parts.append(f"R={R}: measured {list(measured)}, recorded {list(recorded)}, window says {list(expected)}")
+    stage2 = "; stage II: the language model is frozen" if recipe.train.stage == 2 else ""
+    return CheckResult("backward_window_measured", ok,
+                       f"rounds whose output state received nonzero gradient in one training step "
+                       f"(window {recipe.backward.window}, supervision {recipe.supervision.kind}{stage2}): "
+                       + "; ".join(parts))
+
+
 def check_backward_window(run: Run) -> CheckResult:
+    """The record being checked (not the proof; that is backward_window_measured): report.json's
+    backward_histogram must respect the window given the sampled depths."""
+    name = "backward_window_recorded"
     hist = {int(k): v for k, v in run.report.get("backward_histogram", {}).items()}
     depth = {int(k): v for k, v in run.report.get("depth_histogram", {}).items()}
-    if not hist:
-        return CheckResult("backward_window_recorded", False, "report.json has no backward_histogram")
+    if not hist or not depth:
+        return CheckResult(name, False, "report.json lacks backward_histogram or depth_histogram")
     window = run.recipe.backward.window
     limit = max(depth) if window == "all" else window
-    ok = max(hist) <= limit and sum(hist.values()) == sum(depth.values())
-    return CheckResult("backward_window_recorded", ok,
-                       f"gradient-visible rounds {dict(sorted(hist.items()))} (window {window}); "
-                       f"sampled depths {dict(sorted(depth.items()))}")
+    # what the histogram must be, given the sampled depths, if every step of depth R back-propagated
+    # the window's rounds for R
+    implied: dict[int, int] = {}
+    for r, n in depth.items():
+        k = len(_window_rounds(run.recipe, r))
+        implied[k] = implied.get(k, 0) + n
+    ok = max(hist) <= limit and hist == implied
+    return CheckResult(name, ok,
+                       f"record: gradient-visible rounds {dict(sorted(hist.items()))} (window {window}; every key "
+                       f"must be <= {limit}); sampled depths {dict(sorted(depth.items()))} imply "
+                       f"{dict(sorted(implied.items()))}")
 
 
 @torch.no_grad()
 def check_exit_masses(run: Run) -> CheckResult:
     if run.model.gate is None:
-        return CheckResult("exit_masses_conserved", True, "no exit gate in this model")
+        return CheckResult.not_applicable("exit_masses_conserved", "the model has no exit gate")
     from .halting import hazards_to_masses
     R = run.recipe.depth.max_rounds
     out = run.model(_sample_ids(run, 16), R)
@@ -163,7 +285,8 @@ def check_token_accounting(run: Run) -> CheckResult:
 
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
-    check_flops_count_every_visit, check_backward_window, check_exit_masses, check_token_accounting,
+    check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
+    check_token_accounting,
 ]
 
 

@@ -65,9 +65,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
-    if run.recipe.data.task and not args.data:  # task runs: answer-token loss and exact-match accuracy
+    if run.recipe.data.task:  # task runs: answer-token loss and exact-match accuracy (--data: a JSONL file)
         if args.cache_sweep:
-            raise UserError("--cache-sweep scores language-modelling text; on a task run pass --data PATH")
+            raise UserError("--cache-sweep scores language-modelling text, and a task run has none (its --data is "
+                            "a JSONL file of prompt/answer lines); evaluate a language-model run")
         return _eval_task_run(run, rounds, args)
     batches = eval_batches_for(run, args.data)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
@@ -88,18 +89,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int:
-    """`looplm eval` on a run trained on task data: held-out examples of every evaluated difficulty."""
+    """`looplm eval` on a run trained on task data: held-out examples of every evaluated difficulty,
+    or with --data every line of another JSONL file; scored as the trainer's report scores them."""
     import math
 
-    from .taskdata import TaskSource, evaluate_examples
+    from .taskdata import TaskSource, eval_file_sets, markdown_table, score_task_sets
     recipe = run.recipe
-    sets = TaskSource(recipe).eval_sets(recipe.data.eval_examples)
+    sets = eval_file_sets(args.data, recipe) if args.data else TaskSource(recipe).eval_sets(recipe.data.eval_examples)
     examples = [ex for exs in sets.values() for ex in exs]
-    scores = evaluate_examples(run.model, run.tokenizer, examples, rounds, separator=recipe.data.separator)
-    result = {"rounds": {str(r): {**v, "ppl": math.exp(min(50.0, v["loss"]))} for r, v in scores.items()},
-              "examples": len(examples)}
+    scores = score_task_sets(run.model, run.tokenizer, sets, rounds, separator=recipe.data.separator)
+    result = {"rounds": {str(r): {**v, "ppl": math.exp(min(50.0, v["loss"]))} for r, v in scores["rounds"].items()},
+              "by_difficulty": {str(d): {str(r): v["accuracy"] for r, v in row.items()}
+                                for d, row in scores["by_difficulty"].items()},
+              "loss_by_difficulty": {str(d): {str(r): v["loss"] for r, v in row.items()}
+                                     for d, row in scores["by_difficulty"].items()},
+              "examples": len(examples), "examples_by_difficulty": {str(d): n for d, n in scores["examples"].items()},
+              "data": args.data or "held-out split"}
     lines = [f"rounds {r}: answer loss {v['loss']:.4f} accuracy {100 * v['accuracy']:.1f}%"
              for r, v in result["rounds"].items()]
+    lines += [f"exact match (%) by difficulty x rounds on {result['data']} ({len(examples)} examples):",
+              markdown_table({d: {r: v["accuracy"] for r, v in row.items()} for d, row in scores["by_difficulty"].items()})]
     from .adaptive import cli_policy
     if args.exit:  # accuracy vs rounds used, by difficulty, under a per-token exit policy
         from .taskdata import evaluate_examples_exit
@@ -228,12 +237,16 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from .checkpoint import load_run
-    from .checks import run_checks
+    from .checks import FAIL, NOT_APPLICABLE, PASS, run_checks
 
     results = run_checks(load_run(args.run))
-    lines = [f"{'PASS' if c.passed else 'FAIL'}  {c.name}: {c.detail}" for c in results]
-    _emit({"checks": [c.to_dict() for c in results]}, args.json, "\n".join(lines))
-    return 0 if all(c.passed for c in results) else 1
+    label = {PASS: "PASS", FAIL: "FAIL", NOT_APPLICABLE: "N/A "}
+    count = {s: sum(c.status == s for c in results) for s in (PASS, FAIL, NOT_APPLICABLE)}
+    lines = [f"{label[c.status]}  {c.name}: {c.detail}" for c in results]
+    lines.append(f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_APPLICABLE]} not applicable")
+    summary = {"passed": count[PASS], "failed": count[FAIL], "not_applicable": count[NOT_APPLICABLE]}
+    _emit({"checks": [c.to_dict() for c in results], "summary": summary}, args.json, "\n".join(lines))
+    return 1 if count[FAIL] else 0
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -286,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out loss by rounds")
     e.add_argument("run")
     e.add_argument("--rounds", help="comma-separated round counts, e.g. 1,2,4,8")
-    e.add_argument("--data", help="text file/folder (language modelling) to evaluate on instead of the run's split")
+    e.add_argument("--data", help="evaluate on this instead of the run's split: text file/folder (language-model run) "
+                                  "or a JSONL file of prompt/answer lines (task run)")
     e.add_argument("--exit", metavar="POLICY", help="per-token early exit: fixed:R, quantile:Q, entropy:TAU or kl:EPS")
     e.add_argument("--exit-sweep", metavar="KIND", help="sweep quantile|entropy|kl thresholds (optionally KIND:V1,V2,..)"
                                                         "; writes a table, a plot and a report.md section")

@@ -58,7 +58,7 @@ class ModelConfig:
     norm: Literal["pre", "sandwich"] = "pre"
     """Pre-norm blocks, or sandwich norm (norm before and after each branch, as Huginn)."""
     residual_scaling: Literal["none", "deeploop"] = "none"
-    """DeepLoop: x <- norm(alpha*x + branch(x)), alpha=(2N)^p, branch init scaled by beta=(8N)^-p, N = n_core*rounds."""
+    """DeepLoop: x <- norm(alpha*x + branch(x)), alpha=(2N)^p, branch init scaled by beta=(8N)^-p, N = n_core*rounds. Needs norm = "pre"."""
     deeploop_p: float = 0.5
     """DeepLoop exponent p (>= 0)."""
     state_norm: bool = False
@@ -99,6 +99,9 @@ class ModelConfig:
         _check(self.init_std > 0, "model.init_std", "must be > 0")
         _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
                'none needs init_state = "prelude" (otherwise the core never sees the input)')
+        # Block takes deeploop over the norm setting, so sandwich would be silently dropped.
+        _check(self.residual_scaling != "deeploop" or self.norm == "pre", "model.residual_scaling",
+               'deeploop replaces the block norms; it needs model.norm = "pre", not "sandwich"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +189,7 @@ class ExitConfig:
     policy: str = "fixed"
     """Default inference exit policy: fixed (all rounds), fixed:R, quantile:Q, entropy:TAU or kl:EPS."""
     min_rounds: int = 1
-    """Never exit before this round."""
+    """Never exit before this round (<= the largest forward depth: depth.rounds, or depth.max when sampled)."""
     exit_in_prefill: bool = False
     """Allow early exit while processing the prompt (Huginn does not by default)."""
 
@@ -308,8 +311,14 @@ class TrainConfig:
     """Micro-batches per optimizer step (each draws its own depth)."""
     seed: int = 0
     """Seeds weights, data windows and depth draws (depth and data are functions of (seed, step))."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """bf16 runs the forward pass under autocast; weights and optimizer stay fp32."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Mixed precision: bf16 or fp16 run the forward pass under autocast on the training device (fp16 with
+    a gradient scaler); weights and optimizer stay fp32."""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """Where to train: auto = cuda when available, else cpu (mps only when asked). Recorded in report.json."""
+    compile: bool = False
+    """Wrap the model in torch.compile for training, from outside the model (the saved weights are the
+    plain module's). The first steps of each new depth pay the compilation."""
     log_every: int = 10
     """Steps between metrics.jsonl lines (and progress bar updates)."""
     checkpoint_every: int = 100
@@ -353,6 +362,8 @@ class Recipe:
         if self.supervision.rounds:
             _check(max(self.supervision.rounds) <= max_r, "supervision.rounds",
                    f"must be <= the largest forward depth ({max_r}); got {max(self.supervision.rounds)}")
+        _check(self.exit.min_rounds <= max_r, "exit.min_rounds",
+               f"must be <= the largest forward depth ({max_r}); got {self.exit.min_rounds}")
         if self.supervision.kind == "learned_exit":
             _check(self.exit.gate, "exit.gate", "must be true when supervision.kind = learned_exit")
         if self.train.stage == 2:
@@ -466,6 +477,18 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     return Recipe(**sections)
 
 
+def filled_defaults(data: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """Dotted key -> value in `recipe` of every field the recipe dict `data` does not set (a
+    recipe.toml written before the field existed); values are as resolved (n_kv_heads 0 -> n_heads)."""
+    out = {} if "name" in data else {"name": recipe.name}
+    for section in SECTIONS:
+        given = data.get(section, {})
+        config = getattr(recipe, section)
+        out.update({f"{section}.{f.name}": getattr(config, f.name)
+                    for f in dataclasses.fields(config) if f.name not in given})
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # TOML files, built-ins and --set overrides.
 
@@ -563,7 +586,7 @@ def field_docs() -> dict[str, list[tuple[str, str, str]]]:
         docs = {}
         for a, b in zip(body, body[1:]):
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                docs[a.target.id] = b.value.value
+                docs[a.target.id] = " ".join(b.value.value.split())  # one line: it lands in a table row
         hints = typing.get_type_hints(cls)
         out[section] = [(f.name, _toml_value(_to_plain(f.default)), f"{_type_name(hints[f.name])}. {docs.get(f.name, '')}")
                         for f in dataclasses.fields(cls)]

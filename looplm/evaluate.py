@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .device import model_device
 from .losses import mean_loss, token_losses
 
 
@@ -39,7 +40,9 @@ def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[st
     top = max(rounds_list)
     sums = {r: 0.0 for r in rounds_list}
     count = 0
+    device = model_device(model)
     for x, y in batches:
+        x, y = x.to(device), y.to(device)
         # A fixed generator makes a random initial state reproducible across evaluations.
         out = model(x, top, readout_rounds=tuple(rounds_list), generator=torch.Generator().manual_seed(count))
         for r in rounds_list:
@@ -50,7 +53,9 @@ def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[st
 
 @torch.no_grad()
 def evaluate_loss(model, batches, rounds: int) -> float:
-    losses = [mean_loss(token_losses(model(x, rounds, generator=torch.Generator().manual_seed(i)).logits, y)).item()
+    device = model_device(model)
+    losses = [mean_loss(token_losses(model(x.to(device), rounds, generator=torch.Generator().manual_seed(i)).logits,
+                                     y.to(device))).item()
               for i, (x, y) in enumerate(batches)]
     return sum(losses) / len(losses)
 

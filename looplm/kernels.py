@@ -1,7 +1,8 @@
-"""Fused CPU kernels for cached chunks: the model's forward pass without module calls.
+"""The CPU decoding backend: the model's own blocks, with weights laid out for few-row products.
 
-`Kernels` computes exactly what LoopedLM's blocks compute (parity with `model(idx)` is tested at
-1e-5), shaped for decoding one column at a time. Each weight matrix is kept in two extra layouts:
+`PackedOps` is an `Ops` backend (model.py): the block arithmetic is the model's, written once;
+this file only changes how `linear` multiplies. Each product's weights (q/k/v together, o,
+gate/up together, down, the head, the adapter) are kept in two extra layouts:
 
     one row      `row_weight`: (in, out) contiguous, or (P, in, out/P) slices, one per thread,
                  so a single row's product reads the matrix on every core (a bmm over slices)
@@ -9,7 +10,9 @@
 
 `mm` picks between them: the packed layout once a product has PACKED_MIN_MACS multiply-adds,
 the one-row layout below (small models, a few rows). benchmarks/matmul_rows.py times each path
-per matrix and row count (`--crossover` for the threshold).
+per matrix and row count (`--crossover` for the threshold). On other devices the backend keeps
+one fused matrix per product and multiplies by its transposed view: no copies beyond the fusion.
+The eager path (`model.EAGER`) stays the reference: parity is tested at 1e-5.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from .model import Ops
 
 PRIMITIVE_CACHE = 128
 """Entries in each of oneDNN's two primitive caches (its own and PyTorch's ideep LRU). oneDNN
@@ -68,8 +72,10 @@ def row_weight(w: Tensor, threads: int) -> Tensor:
     `torch.mm` of a row reads it on one thread, while a `bmm` over P slices reads it on P threads
     (batch-1 decode steps about 1.4x faster with 2 threads on the bench machine)."""
     out = w.shape[0]
+    if w.device.type != "cpu":
+        return w.t()                      # a view: the device's matmul reads the transpose as it is
     P = max(p for p in range(1, max(threads, 1) + 1) if out % p == 0)    # slices that divide the outputs
-    if P < 2 or w.device.type != "cpu":
+    if P < 2:
         return w.t().contiguous()
     return w.t().reshape(w.shape[1], P, out // P).transpose(0, 1).contiguous()
 
@@ -94,38 +100,38 @@ def mm(x: Tensor, w: _W) -> Tensor:
     return y.reshape(*x.shape[:-1], -1)
 
 
-class Kernels:
-    """The model's forward pass for cached chunks, with fewer, fused operations.
-
-    q/k/v and gate/up are one matmul each, RoPE rotates q and k together with precomputed
-    (cos, cos) / (-sin, sin) tables, and there are no module calls. The weight layouts (see the
-    module docstring) are two more copies of every matrix, rebuilt when a parameter changes in
-    place or the thread count changes (`stale`).
-    """
+class PackedOps(Ops):
+    """`Ops` with every product's weights pre-laid-out (see the module docstring): the model's blocks,
+    run through `model.encode/core_step/readout(..., ops=this)`, with fewer, faster products. The
+    layouts are copies, rebuilt when a parameter changes in place or the thread count changes
+    (`stale`); inference only (no autograd through the copies)."""
 
     def __init__(self, model: Any):
-        self.m, cfg = model, model.cfg
-        self.H, self.Hkv, self.Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.gqa = self.H != self.Hkv
+        self.m = model
         self._params = list(model.parameters())
         self._versions = [p._version for p in self._params]
         self.threads = torch.get_num_threads()
+        self.table: dict[tuple[int, ...], _W] = {}
         with torch.no_grad():
-            def t(*ws: Tensor) -> tuple[Tensor, Tensor | None]:
-                w = torch.cat(ws)
-                return row_weight(w, self.threads), packed_weight(w)
+            for group in self.weight_groups(model):
+                w = torch.cat([g.detach() for g in group]) if len(group) > 1 else group[0].detach()
+                self.table[tuple(id(g) for g in group)] = (row_weight(w, self.threads), packed_weight(w))
 
-            def fuse(blk: Any) -> tuple:
-                a, f = blk.attn, blk.mlp
-                norms = (blk.norm1, blk.norm2) + ((blk.post1, blk.post2) if blk.mode == "sandwich" else ())
-                return (blk.mode, blk.alpha, t(a.q.weight, a.k.weight, a.v.weight), t(a.o.weight),
-                        t(f.gate.weight, f.up.weight), t(f.down.weight), [(n.weight.detach(), n.eps) for n in norms])
-            self.prelude = [fuse(b) for b in model.prelude]
-            self.core = [fuse(b) for b in model.core]
-            self.coda = [fuse(b) for b in model.coda]
-            self.head = t(model.head.weight)                                      # (d, V)
-            self.cos2 = torch.cat([model.rope_cos, model.rope_cos], -1)           # (L, Dh)
-            self.sin2 = torch.cat([-model.rope_sin, model.rope_sin], -1)
+    @staticmethod
+    def weight_groups(model: Any) -> list[tuple[Tensor, ...]]:
+        """The weights each `linear` call of the model's blocks passes, in the same groups."""
+        groups: list[tuple[Tensor, ...]] = [(model.head.weight,)]
+        if model.adapter is not None:
+            groups.append((model.adapter.weight,))
+        for blk in [*model.prelude, *model.core, *model.coda]:
+            a, f = blk.attn, blk.mlp
+            groups += [(a.q.weight, a.k.weight, a.v.weight), (a.o.weight,), (f.gate.weight, f.up.weight),
+                       (f.down.weight,)]
+        return groups
+
+    def linear(self, x: Tensor, *weights: Tensor) -> Tensor:
+        w = self.table.get(tuple(map(id, weights)))
+        return super().linear(x, *weights) if w is None else mm(x, w)
 
     def stale(self) -> bool:
         """A parameter was modified in place (an optimizer step, load_state_dict) or replaced, or
@@ -135,62 +141,20 @@ class Kernels:
                 or any(p is not q for p, q in zip(now, self._params))
                 or any(p._version != v for p, v in zip(self._params, self._versions)))
 
+    # The engine's chunk calls: the model's own pieces, through this backend.
     def rope(self, start: int, T: int, positions: Tensor | None) -> tuple[Tensor, Tensor]:
-        """(T, 1, Dh) tables, or (B, T, 1, Dh) with per-row positions, for (B, T, heads, Dh) tensors."""
-        if positions is None:
-            return self.cos2[start:start + T, None], self.sin2[start:start + T, None]
-        return self.cos2[positions].unsqueeze(2), self.sin2[positions].unsqueeze(2)
-
-    def block(self, w: tuple, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any, slot: tuple) -> Tensor:
-        """Block.forward: pre-norm, sandwich or DeepLoop residuals around attention and SwiGLU."""
-        mode, alpha, wqkv, wo, wgu, wd, norms = w
-        d = (x.shape[-1],)
-        if mode == "deeploop":
-            x = F.rms_norm(alpha * x + self.attn(x, wqkv, wo, rope, cache, slot), d, *norms[0])
-            return F.rms_norm(alpha * x + self.mlp(x, wgu, wd), d, *norms[1])
-        if mode == "sandwich":
-            x = x + F.rms_norm(self.attn(F.rms_norm(x, d, *norms[0]), wqkv, wo, rope, cache, slot), d, *norms[2])
-            return x + F.rms_norm(self.mlp(F.rms_norm(x, d, *norms[1]), wgu, wd), d, *norms[3])
-        x = x + self.attn(F.rms_norm(x, d, *norms[0]), wqkv, wo, rope, cache, slot)
-        return x + self.mlp(F.rms_norm(x, d, *norms[1]), wgu, wd)
-
-    def attn(self, x: Tensor, wqkv: "_W", wo: "_W", rope: tuple[Tensor, Tensor], cache: Any,
-             slot: tuple) -> Tensor:
-        B, T, _ = x.shape
-        H, Hkv, Dh = self.H, self.Hkv, self.Dh
-        qkv = mm(x, wqkv).view(B, T, H + 2 * Hkv, Dh)
-        qk, v = qkv[:, :, :H + Hkv], qkv[:, :, H + Hkv:]
-        cos, sin = rope
-        x1, x2 = qk.chunk(2, dim=-1)
-        qk = qk * cos + torch.cat([x2, x1], dim=-1) * sin                       # RoPE on q and k at once
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)      # (B, H, T, Dh), (B, Hkv, T, Dh)
-        k, v, mask = cache.update(slot, k, v.transpose(1, 2))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
-        return mm(y.transpose(1, 2).reshape(B, T, H * Dh), wo)
-
-    @staticmethod
-    def mlp(x: Tensor, wgu: "_W", wd: "_W") -> Tensor:
-        g, u = mm(x, wgu).chunk(2, dim=-1)
-        return mm(F.silu(g) * u, wd)
+        return self.m.rope(start, T, positions)
 
     def encode(self, idx: Tensor, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
-        x = self.m.embed(idx)
-        for i, w in enumerate(self.prelude):
-            x = self.block(w, x, rope, cache, ("prelude", 0, i))
-        return x
+        return self.m.encode(idx, rope, cache, self)
 
     def core_step(self, s: Tensor, e: Tensor, r: int, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
-        """LoopedLM.core_step: inject, the core blocks (round r's own if untied), state norm."""
-        m = self.m
-        K = m.cfg.n_core
-        blocks = self.core[(r - 1) * K: r * K] if m.cfg.untied else self.core
-        x = m.inject(s, e)
-        for i, w in enumerate(blocks):
-            x = self.block(w, x, rope, cache, ("core", r, i))
-        return m.state_norm(x) if m.state_norm is not None else x
+        return self.m.core_step(s, e, r, rope, cache, self)
 
     def readout(self, s: Tensor, rope: tuple[Tensor, Tensor], cache: Any, r: int, all_positions: bool) -> Tensor:
-        """LoopedLM.readout (coda, final norm, head); the head on the last column unless all_positions."""
-        for i, w in enumerate(self.coda):
-            s = self.block(w, s, rope, cache, ("coda", r, i))
-        return mm(self.m.final_norm(s if all_positions else s[:, -1]), self.head)
+        """Coda, final norm and head; the head on the last column unless all_positions."""
+        return self.m.readout(s, rope, cache, r, self, last_only=not all_positions)
+
+
+Kernels = PackedOps
+"""The name the engine has always used for its backend."""

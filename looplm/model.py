@@ -70,16 +70,40 @@ def initial_noise_table(cfg: ModelConfig, seed: int) -> Tensor:
 
 
 def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor]:
+    """(L, Dh) cos and signed sin tables, each frequency twice, so that one multiply-add rotates
+    every (x_i, x_{i+Dh/2}) pair: rope(x) = x * cos + swap_halves(x) * sin."""
     inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)  # (L, Dh/2)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, Dh); cos/sin: (T, Dh/2) or (B, 1, T, Dh/2). Rotates pairs (even, odd halves)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    """x: (B, T, heads, Dh); cos/sin: (T, 1, Dh) or (B, T, 1, Dh) from `LoopedLM.rope`. Rotates each
+    pair (first half, second half) by its position's angle, in fp32 (under autocast too)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x.float() * cos + torch.cat([x2, x1], dim=-1).float() * sin
     return out.type_as(x)
+
+
+class Ops:
+    """How a block multiplies by its weights: the one seam between the block arithmetic (written once,
+    below) and a backend. This eager reference is plain PyTorch — autograd, any device — and is what
+    the tests compare every backend against; `kernels.PackedOps` overrides `linear` with pre-laid-out
+    copies of the same weights for CPU decoding."""
+
+    def linear(self, x: Tensor, *weights: Tensor) -> Tensor:
+        """x (..., in) @ [W1; W2; ...]^T -> (..., out1 + out2 + ...): weights that read the same input
+        (q/k/v, gate/up) are one product."""
+        return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights))
+
+
+EAGER = Ops()
+
+
+def rms_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
+    """What `norm(x)` computes, without a module call (blocks run thousands of times per decode)."""
+    return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)
 
 
 class Attention(nn.Module):
@@ -91,19 +115,21 @@ class Attention(nn.Module):
         self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None,
+                ops: Ops = EAGER) -> Tensor:
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_heads, self.dh).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.k(x).view(B, T, self.n_kv, self.dh).transpose(1, 2)     # (B, Hkv, T, Dh)
-        v = self.v(x).view(B, T, self.n_kv, self.dh).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        H, Hkv, Dh = self.n_heads, self.n_kv, self.dh
+        qkv = ops.linear(x, self.q.weight, self.k.weight, self.v.weight).view(B, T, H + 2 * Hkv, Dh)
+        qk = apply_rope(qkv[:, :, :H + Hkv], *rope)                            # q and k rotated at once
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)      # (B, H, T, Dh), (B, Hkv, T, Dh)
+        v = qkv[:, :, H + Hkv:].transpose(1, 2)                                # (B, Hkv, T, Dh)
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         else:
             # The cache decides which keys/values this slot sees (its policy) and the mask.
             k, v, mask = cache.update(slot, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o(y.transpose(1, 2).reshape(B, T, self.n_heads * self.dh))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
+        return ops.linear(y.transpose(1, 2).reshape(B, T, H * Dh), self.o.weight)
 
 
 class SwiGLU(nn.Module):
@@ -113,8 +139,9 @@ class SwiGLU(nn.Module):
         self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+    def forward(self, x: Tensor, ops: Ops = EAGER) -> Tensor:
+        g, u = ops.linear(x, self.gate.weight, self.up.weight).chunk(2, dim=-1)
+        return ops.linear(F.silu(g) * u, self.down.weight)
 
 
 class Block(nn.Module):
@@ -131,15 +158,19 @@ class Block(nn.Module):
             self.post1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
             self.post2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None,
+                ops: Ops = EAGER) -> Tensor:
+        # the branches' forward methods directly: a module call costs more than a decode step's small ops
+        attn = lambda h: self.attn.forward(h, rope, cache, slot, ops)  # noqa: E731
+        mlp = lambda h: self.mlp.forward(h, ops)                       # noqa: E731
         if self.mode == "deeploop":  # x <- norm(alpha*x + branch(x)), no inner norm
-            x = self.norm1(self.alpha * x + self.attn(x, rope, cache, slot))
-            return self.norm2(self.alpha * x + self.mlp(x))
+            x = rms_norm(self.norm1, self.alpha * x + attn(x))
+            return rms_norm(self.norm2, self.alpha * x + mlp(x))
         if self.mode == "sandwich":
-            x = x + self.post1(self.attn(self.norm1(x), rope, cache, slot))
-            return x + self.post2(self.mlp(self.norm2(x)))
-        x = x + self.attn(self.norm1(x), rope, cache, slot)
-        return x + self.mlp(self.norm2(x))
+            x = x + rms_norm(self.post1, attn(rms_norm(self.norm1, x)))
+            return x + rms_norm(self.post2, mlp(rms_norm(self.norm2, x)))
+        x = x + attn(rms_norm(self.norm1, x))
+        return x + mlp(rms_norm(self.norm2, x))
 
 
 class LoopedLM(nn.Module):
@@ -198,9 +229,11 @@ class LoopedLM(nn.Module):
 
     # -- pieces ---------------------------------------------------------------------
     def rope(self, start: int, T: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """RoPE tables for (B, T, heads, Dh) tensors: (T, 1, Dh) for positions start..start+T, or
+        (B, T, 1, Dh) for per-row positions (B, T) (left-padded batches, gathered active tokens)."""
         if positions is None:
-            return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)  # (B, 1, T, Dh/2)
+            return self.rope_cos[start:start + T, None], self.rope_sin[start:start + T, None]
+        return self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
 
     def initial_state(self, e: Tensor, generator: torch.Generator | None = None, start: int = 0,
                       positions: Tensor | None = None) -> Tensor:
@@ -222,36 +255,38 @@ class LoopedLM(nn.Module):
         noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
         return noise * self.cfg.init_state_std
 
-    def inject(self, s: Tensor, e: Tensor) -> Tensor:
+    def inject(self, s: Tensor, e: Tensor, ops: Ops = EAGER) -> Tensor:
         kind = self.cfg.injection
         if kind == "add":
             return s + e
         if kind == "concat":
-            return self.adapter(torch.cat([s, e], dim=-1))
+            return ops.linear(torch.cat([s, e], dim=-1), self.adapter.weight)
         return s
 
-    def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None) -> Tensor:
+    def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
         """One round: inject the input, run the K core blocks (round r picks its own blocks if untied)."""
         K = self.cfg.n_core
         blocks = self.core[(r - 1) * K: r * K] if self.cfg.untied else self.core
-        x = self.inject(s, e)
+        x = self.inject(s, e, ops)
         for i, block in enumerate(blocks):
-            x = block(x, rope, cache, ("core", r, i))
-        return self.state_norm(x) if self.state_norm is not None else x
+            x = block(x, rope, cache, ("core", r, i), ops)   # a module call: FSDP's units hook here
+        return rms_norm(self.state_norm, x) if self.state_norm is not None else x
 
-    def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0) -> Tensor:
-        """Coda and LM head applied to a loop state (the logit lens at earlier rounds)."""
+    def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
+                last_only: bool = False) -> Tensor:
+        """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
+        (B, V) at the last position with last_only (a decode step needs no other)."""
         for i, block in enumerate(self.coda):
-            s = block(s, rope, cache, ("coda", r, i))
-        return self.head(self.final_norm(s))
+            s = block(s, rope, cache, ("coda", r, i), ops)
+        return ops.linear(self.final_norm(s[:, -1] if last_only else s), self.head.weight)
 
     def hazard(self, s: Tensor) -> Tensor:
         return torch.sigmoid(self.gate(s).squeeze(-1))  # (B, T)
 
-    def encode(self, idx: Tensor, rope, cache: Any = None) -> Tensor:
+    def encode(self, idx: Tensor, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
         x = self.embed(idx)
         for i, block in enumerate(self.prelude):
-            x = block(x, rope, cache, ("prelude", 0, i))
+            x = block(x, rope, cache, ("prelude", 0, i), ops)
         return x
 
     # -- forward --------------------------------------------------------------------

@@ -6,12 +6,15 @@ When a recipe sets `data.task` (a built-in generator of looplm.tasks, or a JSONL
     TaskSource      where examples come from: a built-in generator (fresh examples for every
                     batch, one prompt length at every difficulty, so length never tells the
                     difficulty) or a JSONL file split into training and held-out examples
+                    (training: difficulty_min..difficulty_max; held out: up to eval_difficulty_max)
     TaskSampler     the training batch of global micro-batch i: one difficulty per micro-batch
                     (under the curriculum), right-padded, with the answer-only loss mask; with
                     data.depth_by_difficulty also the rounds to run and the rounds to supervise
     RoundTargets    data.round_targets = "trace": what each round is trained to read out (the
                     intermediate result after r steps, then the answer)
-    accuracy_table  exact-match accuracy and answer loss by difficulty x rounds
+    score_task_sets exact-match accuracy and answer loss by rounds and by difficulty x rounds: the
+                    one task evaluation, behind the trainer's report and `looplm eval` on a task run
+                    (its held-out examples, or another JSONL file with --data)
     greedy_answers  batched greedy decoding of answers, the slow reference for exact match
 
 Exact match is scored teacher-forced: greedy decoding reproduces the answer iff, given the
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .config import Recipe, SupervisionConfig
+from .config import DataConfig, Recipe, SupervisionConfig
 from .errors import UserError
 from .losses import token_losses
 from .tasks import ANSWER_END, SEPARATOR, TASKS, TRACERS, Example, answer_mask, format_example, load_jsonl
@@ -167,6 +170,8 @@ class TaskSource:
         self.task, self.seed, self.length_min = d.task, recipe.train.seed, d.train_length_min
         self.separator = d.separator
         self.builtin = is_builtin(d.task)
+        self.unused_counts: dict[int, int] = {}  # JSONL lines outside difficulty_min..the evaluated maximum
+        self.levelled = True                     # False: a JSONL file whose lines give no "difficulty"
         if self.builtin and d.round_targets == "trace" and d.task not in TRACERS:
             raise UserError(f"recipe field data.round_targets = \"trace\": task {d.task} has no trace of "
                             f"intermediate results (tasks with one: {', '.join(TRACERS)}; a JSONL file can give "
@@ -191,20 +196,60 @@ class TaskSource:
             self._train_pool: dict[int, list[Example]] = {}
             self._eval_pool: dict[int, list[Example]] = {}
         else:
-            examples = load_jsonl(d.task)
-            for ex in examples:  # refuse, naming the line, before any training
-                b = encode_examples(ByteTokenizer(), [ex], recipe.model.context, d.separator)
-                if d.round_targets == "trace":
-                    round_targets(ByteTokenizer(), [ex], b, d.task)
-            if len(examples) < 2:
-                raise UserError(f"{d.task}: needs at least 2 examples (one to train on, one held out)")
-            order = list(range(len(examples)))
-            random.Random(f"looplm.taskdata/split/{self.seed}").shuffle(order)
-            n_val = min(len(examples) - 1, max(1, round(d.val_fraction * len(examples))))
-            held, train = [examples[i] for i in order[:n_val]], [examples[i] for i in order[n_val:]]
-            self._train_pool, self._eval_pool = _by_level(train), _by_level(held)
-            self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
-            self.length, self.eval_max = None, max(self.eval_levels)
+            self._split_file(read_task_file(d.task, recipe, traces=d.round_targets == "trace"), d)
+        # training examples per difficulty (None for a generator: fresh ones every batch)
+        self.train_counts = None if self.builtin else {lv: len(p) for lv, p in sorted(self._train_pool.items())}
+
+    def _split_file(self, examples: list[Example], d: DataConfig) -> None:
+        """A JSONL file's training and held-out pools.
+
+        Training draws only lines with difficulty_min <= difficulty <= difficulty_max, less a
+        val_fraction held out; every line above difficulty_max up to eval_difficulty_max (0 = 2 x
+        difficulty_max) is held out too, so a file can hold the extrapolation experiment. A file
+        whose lines give no "difficulty" has nothing to select: all its lines are difficulty 0,
+        and difficulty_min/max/eval_difficulty_max other than their defaults are refused rather
+        than ignored (a recipe cannot tell a default it left alone from one it set)."""
+        path = d.task
+        for name in ("task_length", "train_length_min", "length_curriculum"):  # built-in prompts only
+            if getattr(d, name):
+                raise UserError(f"recipe field data.{name}: {path} is a JSONL file, whose prompts are used as written; "
+                                f"leave data.{name} at 0 (it sets the length of built-in tasks' prompts)")
+        self.levelled = examples[0].meta["difficulty"] is not None  # read_task_file: on every line or none
+        if not self.levelled:
+            defaults = DataConfig()
+            for name in ("difficulty_min", "difficulty_max", "eval_difficulty_max"):
+                if getattr(d, name) != getattr(defaults, name):
+                    raise UserError(f"recipe field data.{name}: {path} gives no \"difficulty\" on its lines, so there "
+                                    f"are no difficulties to select; give every line a \"difficulty\" or leave "
+                                    f"data.{name} at its default {getattr(defaults, name)}")
+            lo = hi = top = 0
+        else:
+            lo, hi = d.difficulty_min, d.difficulty_max
+            top = d.eval_difficulty_max or 2 * hi
+        train = [ex for ex in examples if lo <= ex.difficulty <= hi]
+        beyond = [ex for ex in examples if hi < ex.difficulty <= top]
+        self.unused_counts = _counts([ex for ex in examples if not lo <= ex.difficulty <= top])
+        if not train:
+            raise UserError(f"{path}: no line to train on with difficulty in data.difficulty_min..data.difficulty_max "
+                            f"= {lo}..{hi}; the file's difficulties (lines): "
+                            + ", ".join(f"{lv} ({n})" for lv, n in _counts(examples).items()))
+        # val_fraction of each trained difficulty's lines is held out (at least one where there are two)
+        rng = random.Random(f"looplm.taskdata/split/{self.seed}")
+        kept, held = [], []
+        for exs in _by_level(train).values():
+            order = list(range(len(exs)))
+            rng.shuffle(order)
+            n_val = min(len(exs) - 1, max(1, round(d.val_fraction * len(exs))))
+            held += [exs[i] for i in order[:n_val]]
+            kept += [exs[i] for i in order[n_val:]]
+        held += beyond
+        if not held:
+            raise UserError(f"{path}: nothing to hold out for evaluation; needs at least 2 examples of one difficulty "
+                            f"in {lo}..{hi} (one to train on, one held out)"
+                            + (f" or one of difficulty {hi + 1}..{top}" if top > hi else ""))
+        self._train_pool, self._eval_pool = _by_level(kept), _by_level(held)
+        self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
+        self.length, self.eval_max = None, max(self.eval_levels)
 
     def train_length(self, level: int, index: int, progress: float = 1.0) -> int | None:
         """Items per prompt in training micro-batch `index`: task_length, or with data.train_length_min
@@ -225,11 +270,12 @@ class TaskSource:
         return rng.choices(self._train_pool[level], k=n)
 
     def eval_sets(self, n: int, seed: int = EVAL_SEED, levels: list[int] | None = None) -> dict[int, list[Example]]:
-        """Held-out examples by difficulty: n fresh ones per level (a JSONL file: its held-out split)."""
+        """Held-out examples by difficulty: n fresh ones per level (a JSONL file: the first n of
+        each level's held-out lines)."""
         levels = self.eval_levels if levels is None else levels
         if self.builtin:
             return {lv: list(TASKS[self.task](seed, lv, n, self.length)) for lv in levels}
-        return {lv: self._eval_pool[lv] for lv in levels if lv in self._eval_pool}
+        return {lv: self._eval_pool[lv][:n] for lv in levels if lv in self._eval_pool}
 
     def train_token_count(self) -> int | None:
         """Tokens in the training split of a JSONL file (None for a generator: unbounded)."""
@@ -244,6 +290,43 @@ def _by_level(examples: list[Example]) -> dict[int, list[Example]]:
     for ex in examples:
         out.setdefault(ex.difficulty, []).append(ex)
     return out
+
+
+def _counts(examples: list[Example]) -> dict[int, int]:
+    return {lv: len(exs) for lv, exs in sorted(_by_level(examples).items())}
+
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> list[Example]:
+    """A JSONL file's examples, checked before anything runs: tasks.load_jsonl's checks, every
+    example within model.context, a "difficulty" on every line or on none, and with traces=True
+    (training with data.round_targets = "trace") one-token traces. UserError names the line."""
+    examples = load_jsonl(path)
+    given = [ex for ex in examples if ex.meta["difficulty"] is not None]
+    if given and len(given) < len(examples):
+        bare = next(ex for ex in examples if ex.meta["difficulty"] is None)
+        raise UserError(f"{path}, line {bare.meta['line']}: no \"difficulty\", but line {given[0].meta['line']} "
+                        f"has one; give every line a \"difficulty\" or none")
+    tok = ByteTokenizer()  # task recipes are byte-tokenized (config.DataConfig)
+    for ex in examples:
+        b = encode_examples(tok, [ex], recipe.model.context, recipe.data.separator)
+        if traces:
+            round_targets(tok, [ex], b, recipe.data.task)
+    return examples
+
+
+def eval_file_sets(path: str, recipe: Recipe) -> dict[int, list[Example]]:
+    """`looplm eval TASK_RUN --data FILE.jsonl`: every line of the file by difficulty (a file
+    without difficulties: all at 0), read with training's checks."""
+    p = Path(path)
+    if p.is_dir() or p.suffix.lower() not in JSONL_SUFFIXES:
+        raise UserError(f"--data {path}: a task run (data.task = {recipe.data.task}) is scored on a JSONL file of "
+                        f"{{\"prompt\": ..., \"answer\": ...}} lines named *.jsonl; got "
+                        + ("a folder" if p.is_dir() else
+                           "a file without the .jsonl suffix (text is for language-model runs)"))
+    return dict(sorted(_by_level(read_task_file(p, recipe)).items()))
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,6 +431,9 @@ def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[
     rounds (the LSTM) gives the same logits for every entry."""
     from .model import LoopedLM
 
+    param = next(model.parameters(), None)  # a model without parameters (a test's table) stays where x is
+    if param is not None:
+        x = x.to(param.device)
     if isinstance(model, LoopedLM):
         out = model(x, max(rounds_list), readout_rounds=tuple(rounds_list),
                     generator=torch.Generator().manual_seed(0))
@@ -357,9 +443,9 @@ def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[
 
 
 @torch.no_grad()
-def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
-                      batch_size: int = 64, separator: bool = True) -> dict[int, dict[str, float]]:
-    """rounds -> {"accuracy": exact match, "loss": mean answer-token loss} over `examples`."""
+def _score(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
+           batch_size: int, separator: bool) -> tuple[dict[int, int], dict[int, float], int]:
+    """(exact matches, summed answer-token loss) by rounds, and the answer tokens scored."""
     model.eval()
     correct = {r: 0 for r in rounds_list}
     loss_sum = {r: 0.0 for r in rounds_list}
@@ -368,12 +454,44 @@ def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example],
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], context, separator)
         for r, logits in logits_by_rounds(model, b.x, rounds_list).items():
-            hit = (logits.argmax(-1) == b.y) | ~b.mask          # (B, T)
+            y, mask = b.y.to(logits.device), b.mask.to(logits.device)
+            hit = (logits.argmax(-1) == y) | ~mask              # (B, T)
             correct[r] += int(hit.all(-1).sum())
-            loss_sum[r] += token_losses(logits, b.y, b.mask).sum().item()
+            loss_sum[r] += token_losses(logits, y, mask).sum().item()
         tokens += int(b.mask.sum())
-    n = max(1, len(examples))
-    return {r: {"accuracy": correct[r] / n, "loss": loss_sum[r] / max(1, tokens)} for r in rounds_list}
+    return correct, loss_sum, tokens
+
+
+def _rates(correct: dict[int, int], loss_sum: dict[int, float], n: int, tokens: int) -> dict[int, dict[str, float]]:
+    return {r: {"accuracy": correct[r] / max(1, n), "loss": loss_sum[r] / max(1, tokens)} for r in correct}
+
+
+def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
+                      batch_size: int = 64, separator: bool = True) -> dict[int, dict[str, float]]:
+    """rounds -> {"accuracy": exact match, "loss": mean answer-token loss} over `examples`."""
+    correct, loss_sum, tokens = _score(model, tok, examples, rounds_list, batch_size, separator)
+    return _rates(correct, loss_sum, len(examples), tokens)
+
+
+def score_task_sets(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]], rounds_list: list[int],
+                    batch_size: int = 64, separator: bool = True) -> dict[str, Any]:
+    """The task evaluation of the trainer's report and of `looplm eval` on a task run:
+    {"rounds": rounds -> {"accuracy", "loss"} over every example (loss per answer token),
+     "by_difficulty": difficulty -> rounds -> {"accuracy", "loss"},
+     "examples": difficulty -> examples scored}."""
+    by_level: dict[int, dict[int, dict[str, float]]] = {}
+    correct = {r: 0 for r in rounds_list}
+    loss_sum = {r: 0.0 for r in rounds_list}
+    tokens = n = 0
+    for d, exs in sorted(eval_sets.items()):
+        c, ls, t = _score(model, tok, exs, rounds_list, batch_size, separator)
+        by_level[d] = _rates(c, ls, len(exs), t)
+        for r in rounds_list:
+            correct[r] += c[r]
+            loss_sum[r] += ls[r]
+        tokens, n = tokens + t, n + len(exs)
+    return {"rounds": _rates(correct, loss_sum, n, tokens), "by_difficulty": by_level,
+            "examples": {d: len(exs) for d, exs in sorted(eval_sets.items())}}
 
 
 @torch.no_grad()
@@ -410,8 +528,8 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
 def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],
                    rounds_list: list[int], batch_size: int = 64,
                    separator: bool = True) -> dict[int, dict[int, dict[str, float]]]:
-    """difficulty -> rounds -> {"accuracy", "loss"}."""
-    return {d: evaluate_examples(model, tok, exs, rounds_list, batch_size, separator) for d, exs in eval_sets.items()}
+    """difficulty -> rounds -> {"accuracy", "loss"} (score_task_sets's by_difficulty)."""
+    return score_task_sets(model, tok, eval_sets, rounds_list, batch_size, separator)["by_difficulty"]
 
 
 @torch.no_grad()
@@ -472,24 +590,43 @@ def markdown_table(table: dict[int, dict[int, float]], corner: str = "difficulty
 
 def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, source: TaskSource,
                 rounds_list: list[int]) -> dict[str, Any]:
-    """The trainer's report fields for task data: answer loss and exact match by rounds, and
-    the accuracy table by difficulty x rounds (with prompt lengths reported apart)."""
+    """The trainer's report fields for task data: answer loss and exact match by rounds, the
+    accuracy table by difficulty x rounds (with prompt lengths reported apart), and which
+    difficulties were trained and evaluated, with examples per difficulty."""
     eval_sets = source.eval_sets(recipe.data.eval_examples)
     sep = recipe.data.separator
-    table = accuracy_table(model, sampler.tok, eval_sets, rounds_list, separator=sep)
-    examples = [ex for exs in eval_sets.values() for ex in exs]
-    overall = evaluate_examples(model, sampler.tok, examples, rounds_list, separator=sep)
-    acc = {d: {r: v["accuracy"] for r, v in row.items()} for d, row in table.items()}
+    scores = score_task_sets(model, sampler.tok, eval_sets, rounds_list, separator=sep)
+    overall = scores["rounds"]
+    acc = {d: {r: v["accuracy"] for r, v in row.items()} for d, row in scores["by_difficulty"].items()}
     lengths = prompt_tokens_by_difficulty(sampler.tok, eval_sets, sep)
-    note = (f"Task `{recipe.data.task}`, exact match (%) on {recipe.data.eval_examples} held-out examples per "
-            f"difficulty; trained on difficulties {source.train_levels[0]}..{source.train_levels[-1]}. "
-            f"Prompt length: {source.length if source.length is not None else 'as in the file'} items; mean prompt "
+    difficulties = {
+        "trained": source.train_levels,
+        "evaluated": sorted(eval_sets),
+        "train_examples": None if source.train_counts is None else {str(d): n for d, n in source.train_counts.items()},
+        "eval_examples": {str(d): n for d, n in scores["examples"].items()},
+        "unused_examples": {str(d): n for d, n in source.unused_counts.items()},
+    }
+    if source.builtin:
+        trained = (f"trained on difficulties {source.train_levels[0]}..{source.train_levels[-1]} (fresh examples "
+                   f"every batch)")
+    else:
+        trained = ("trained on the file's lines by difficulty: " + ", ".join(f"{d}: {n}" for d, n in
+                                                                            source.train_counts.items())
+                   if source.levelled else f"the file gives no difficulties (every line reads as 0); trained on "
+                                           f"{sum(source.train_counts.values())} of its lines")
+        if source.unused_counts:
+            trained += ("; lines outside the trained and evaluated difficulties, unused: "
+                        + ", ".join(f"{d}: {n}" for d, n in source.unused_counts.items()))
+    note = (f"Task `{recipe.data.task}`, exact match (%) on held-out examples by difficulty ("
+            + ", ".join(f"{d}: {n}" for d, n in scores["examples"].items()) + f"); {trained}. "
+            f"Prompt length: {'as in the file' if source.length is None else f'{source.length} items'}; mean prompt "
             f"tokens by difficulty: " + ", ".join(f"{d}: {n:.0f}" for d, n in lengths.items()) + ".")
     report = {
         "val": {r: {"loss": v["loss"]} for r, v in overall.items()},
         "val_accuracy_by_rounds": {str(r): v["accuracy"] for r, v in overall.items()},
         "task": recipe.data.task,
         "task_accuracy": {str(d): {str(r): a for r, a in row.items()} for d, row in acc.items()},
+        "task_difficulties": difficulties,
         "prompt_length_items": source.length,
         "prompt_tokens_by_difficulty": {str(d): n for d, n in lengths.items()},
         "train_data_tokens": source.train_token_count() or sampler.unique_tokens(),

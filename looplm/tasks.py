@@ -428,7 +428,9 @@ def load_jsonl(path: str | Path) -> list[Example]:
 
     Optional "difficulty" (int) is kept, and optional "trace" (a list of strings: the intermediate
     result after each step, for data.round_targets = "trace"); other fields are ignored. Blank
-    lines are skipped.
+    lines are skipped. A line without "difficulty" reads as difficulty 0 with meta["difficulty"]
+    None, so a caller can tell a file that gives no difficulties (taskdata.read_task_file refuses
+    a file that gives them on some lines only).
     Any problem raises UserError naming the file and the 1-based line number.
     """
     path = Path(path)
@@ -464,8 +466,8 @@ def load_jsonl(path: str | Path) -> list[Example]:
         # inside it would end generation early.
         if ANSWER_END in obj["answer"]:
             raise UserError(f"{where}: field 'answer' must not contain a newline")
-        difficulty = obj.get("difficulty", 0)
-        if not isinstance(difficulty, int) or isinstance(difficulty, bool):
+        difficulty = obj.get("difficulty")
+        if "difficulty" in obj and (not isinstance(difficulty, int) or isinstance(difficulty, bool)):
             raise UserError(f"{where}: field 'difficulty' must be an integer, got {difficulty!r}")
         meta = {"difficulty": difficulty, "length": None, "source": str(path), "line": lineno}
         if "trace" in obj:
@@ -473,7 +475,7 @@ def load_jsonl(path: str | Path) -> list[Example]:
             if not isinstance(trace, list) or not all(isinstance(t, str) and t for t in trace):
                 raise UserError(f"{where}: field 'trace' must be a list of non-empty strings, got {trace!r}")
             meta["trace"] = list(trace)
-        examples.append(Example(obj["prompt"], obj["answer"], difficulty, meta))
+        examples.append(Example(obj["prompt"], obj["answer"], 0 if difficulty is None else difficulty, meta))
     if not examples:
         raise UserError(f"{path}: no examples (the file is empty)")
     return examples

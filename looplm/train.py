@@ -26,6 +26,7 @@ from . import data as data_mod
 from .checkpoint import load_state, load_weights, save_checkpoint, write_text
 from .config import Recipe, SupervisionConfig, load_recipe
 from .depth import depth_generator, expected_depth, sample_depth
+from .device import autocast, compiled, grad_scaler, peak_device_memory_bytes, resolve_device
 from .errors import UserError
 from .evaluate import eval_rounds_list, evaluate_rounds, extrapolation_rounds
 from .losses import placement, supervised_loss
@@ -130,20 +131,29 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
 
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
                counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None,
-               rounds: int | None = None, supervision=None, round_targets=None):
+               rounds: int | None = None, supervision=None, round_targets=None, forward=None, scaler=None):
     """Forward + backward for one micro-batch; returns (loss value, forward output, loss info).
     rounds / supervision, when given (task data by difficulty), replace the recipe's draws;
-    round_targets(r) -> (targets, mask) gives each supervised round its own targets (task traces)."""
+    round_targets(r) -> (targets, mask) gives each supervised round its own targets (task traces).
+    forward: what runs the model (a torch.compile wrapper of it; default the model); scaler: the
+    fp16 gradient scaler. Tensors are moved to the model's device here."""
+    device = model.embed.weight.device
+    x, y = x.to(device), y.to(device)
+    mask = mask.to(device) if mask is not None else None
+    if round_targets is not None:
+        targets_at = round_targets
+        round_targets = lambda r: tuple(t.to(device) if t is not None else None for t in targets_at(r))  # noqa: E731
     if rounds is None:
         rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro)
     supervision = recipe.supervision if supervision is None else supervision
     window = None if recipe.backward.window == "all" else min(recipe.backward.window, rounds)
     # stage II's gate loss compares every round's readout, whatever the stage-I placement was
     place = placement(SupervisionConfig(kind="every") if recipe.train.stage == 2 else supervision, rounds)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.train.dtype == "bf16")
-    with autocast:
-        out = model(x, rounds, backward_window=window, readout_rounds=place.rounds,
-                    generator=depth_generator(recipe.train.seed + 1, step, micro), collect_stats=collect_stats)
+    with autocast(device, recipe.train.dtype):
+        # the initial-state noise comes from a CPU generator, so every device draws the same numbers
+        out = (model if forward is None else forward)(x, rounds, backward_window=window, readout_rounds=place.rounds,
+                                 generator=depth_generator(recipe.train.seed + 1, step, micro),
+                                 collect_stats=collect_stats)
         if recipe.train.stage == 2:
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
@@ -152,7 +162,8 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         for s in out.round_states:
             if s.requires_grad:
                 s.retain_grad()
-    (loss / recipe.train.grad_accum).backward()
+    scaled = loss / recipe.train.grad_accum
+    (scaler.scale(scaled) if scaler is not None else scaled).backward()
     counters.depth_histogram[rounds] += 1
     counters.backward_histogram[len(out.grad_rounds)] += 1
     for r in place.rounds:
@@ -214,7 +225,10 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
     sampler = (train_tokens if recipe.data.task  # task data comes with its own sampler
                else data_mod.TokenSampler(train_tokens, seq_len, bs, recipe.train.seed))
     torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe)
+    device = resolve_device(recipe.train.device)
+    model = build_model(recipe).to(device)      # initialised on the CPU: the same weights on every device
+    forward = compiled(model, recipe.train.compile)
+    scaler = grad_scaler(device, recipe.train.dtype)
     trainable = {n for n, _ in model.named_parameters() if n.startswith("gate.")} if recipe.train.stage == 2 else None
     opt = make_optimizer(model, recipe, trainable)
     counters, start = Counters(), 0
@@ -254,15 +268,17 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
         for micro in range(recipe.train.grad_accum):
             x, y, *task_opts = sampler.batch(step * recipe.train.grad_accum + micro)  # task: + mask, rounds
             loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now,
-                                         **(task_opts[0] if task_opts else {}))
+                                         forward=forward, scaler=scaler, **(task_opts[0] if task_opts else {}))
             step_loss += loss / recipe.train.grad_accum
             depths.append(out.rounds)
             tok_window += x.numel()  # task batches vary in length
         clip = recipe.optim.grad_clip
         params = [p for g in opt.param_groups for p in g["params"]]
+        scaler.unscale_(opt)        # clip the true gradients (a no-op unless fp16)
         gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
         before = [p.detach().clone() for p in model.core.parameters()] if log_now else None
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         counters.losses.append(step_loss)
         dt = time.perf_counter() - t0
@@ -293,6 +309,10 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
     from .report import write_report
     report = build_report(recipe, model, sampler, counters, val_tokens, run_dir)
     report.update(origin)
+    report["device"] = str(device)
+    report["precision"] = recipe.train.dtype
+    report["compiled"] = recipe.train.compile
+    report["peak_device_memory_bytes"] = peak_device_memory_bytes(device)
     write_report(run_dir, report)
     return report
 

@@ -240,7 +240,8 @@ def test_cached_decode_with_per_thread_weight_slices_equals_forward(threads):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        qkv_rows = Engine(model, None, GenerationConfig())._kernels().core[0][2][0]
+        ops, a = Engine(model, None, GenerationConfig())._kernels(), model.core[0].attn
+        qkv_rows = ops.table[(id(a.q.weight), id(a.k.weight), id(a.v.weight))][0]
         assert qkv_rows.shape[0] == threads and qkv_rows.dim() == 3        # the split layout is in use
         ref = model(idx, 3).logits
         got = cached_logits(model, idx, 3, prefix=5)

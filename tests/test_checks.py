@@ -1,48 +1,212 @@
-"""`looplm check`: passes on a healthy run, and each check can fail when its property is broken."""
+"""`looplm check`: passes on a healthy run, each check fails when its own property is broken, and a
+check that does not apply says so instead of passing."""
 
+import copy
 import json
+import types
 
 import torch
 import torch.nn.functional as F
 
 import looplm
-from looplm.checks import check_backward_window, check_causality, check_untied_parity
+import looplm.model as model_mod
+from looplm.checkpoint import Run
+from looplm.checks import (STATE_GROWTH_LIMIT, check_backward_window, check_backward_window_measured, check_causality,
+                           check_state_stability, check_untied_parity, measured_grad_rounds)
 from looplm.cli import main
+from looplm.model import build_model
 from looplm.train import train
 
 from conftest import tiny_recipe
 
+NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved"}
+NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth",
+                         "flops_count_every_visit"}
 
-def make_run(tmp_path, text_dir, **overrides):
+
+def make_run(tmp_path, text_dir, name="run", **overrides):
     rec = tiny_recipe(**{"data.path": str(text_dir), "depth.kind": "uniform", "depth.min": 1, "depth.max": 3,
                          "depth.rounds": 2, "backward.window": 2, **overrides})
-    train(rec, tmp_path / "run", quiet=True)
-    return tmp_path / "run"
+    train(rec, tmp_path / name, quiet=True)
+    return tmp_path / name
+
+
+def untrained_run(**overrides) -> Run:
+    """A Run around a freshly built model (no training, no report): enough for the checks that measure."""
+    rec = tiny_recipe(**overrides)
+    return Run(path=None, recipe=rec, model=build_model(rec).eval(),
+               tokenizer=types.SimpleNamespace(vocab_size=rec.model.vocab_size), report={})
+
+
+def json_checks(capsys, path):
+    capsys.readouterr()
+    code = main(["check", str(path), "--json"])
+    out = capsys.readouterr().out
+    return code, out, {c["name"]: c for c in json.loads(out)["checks"]}
 
 
 def test_checks_pass_on_a_trained_run(tmp_path, text_dir, capsys):
     path = make_run(tmp_path, text_dir)
-    capsys.readouterr()
-    assert main(["check", str(path), "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert {c["name"] for c in result["checks"]} >= {"causality", "shared_parameters_once",
-                                                      "looped_equals_untied_copies", "backward_window_recorded"}
-    assert all(c["passed"] for c in result["checks"]), result
+    code, raw, checks = json_checks(capsys, path)
+    assert code == 0
+    assert set(checks) >= {"causality", "shared_parameters_once", "looped_equals_untied_copies",
+                           "state_stable_past_training_depth", "backward_window_measured", "backward_window_recorded"}
+    for name, c in checks.items():
+        if name in NOT_APPLICABLE_WITHOUT_GATE:          # no exit gate: said so, not counted as passed
+            assert c["status"] == "not applicable" and c["passed"] is None, c
+        else:
+            assert c["status"] == "pass" and c["passed"] is True, c
+    assert '"passed": null' in raw                        # JSON null, not false or a string
+    assert json.loads(raw)["summary"] == {"passed": len(checks) - 1, "failed": 0, "not_applicable": 1}
+    assert main(["check", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines if "exit_masses_conserved" in ln] == ["N/A"]
+    assert lines[-1] == f"{len(checks) - 1} passed, 0 failed, 1 not applicable"
+
+
+def test_untied_baseline_says_not_applicable(tmp_path, text_dir, capsys):
+    path = make_run(tmp_path, text_dir, **{"model.untied": True, "depth.kind": "fixed", "depth.rounds": 2})
+    code, _, checks = json_checks(capsys, path)
+    assert code == 0                                       # nothing failed; N/A rows do not fail the run
+    assert {n for n, c in checks.items() if c["status"] == "not applicable"} == NOT_APPLICABLE_UNTIED
+    assert all(c["passed"] is None for n, c in checks.items() if n in NOT_APPLICABLE_UNTIED)
+    assert all(c["passed"] is True for n, c in checks.items() if n not in NOT_APPLICABLE_UNTIED)
+
+
+def _break_weight_sharing(model, monkeypatch):
+    """Rounds >= 2 use a perturbed copy of core block 0: the looped model no longer applies one set of
+    tensors every round (the copy is not in the state dict the untied comparison is built from)."""
+    stray = copy.deepcopy(model.core[0])
+    with torch.no_grad():
+        stray.mlp.down.weight.add_(0.05 * torch.randn_like(stray.mlp.down.weight))
+    shared_step = type(model).core_step
+
+    def unshared_step(s, e, r, rope, cache=None):
+        if r < 2:
+            return shared_step(model, s, e, r, rope, cache)
+        shared = model.core[0]
+        model.core[0] = stray
+        try:
+            return shared_step(model, s, e, r, rope, cache)
+        finally:
+            model.core[0] = shared
+
+    monkeypatch.setattr(model, "core_step", unshared_step, raising=False)
+
+
+def _leak_gradient_past_the_window(monkeypatch):
+    """The engine back-propagates through every round but still records only the window's rounds."""
+    real = model_mod.unroll
+
+    def leaky(step, state, rounds, backward_window=None, *args, **kw):
+        out = real(step, state, rounds, None, *args, **kw)
+        if backward_window is not None:
+            out.grad_rounds = tuple(r for r in out.grad_rounds if r > rounds - backward_window)
+        return out
+
+    monkeypatch.setattr(model_mod, "unroll", leaky)
 
 
 def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
     path = make_run(tmp_path, text_dir)
     run = looplm.load_run(path)
-    run.report["backward_histogram"] = {"3": 6}                     # more than the window of 2
-    assert not check_backward_window(run).passed
-    with torch.no_grad():                                            # break weight sharing: parity must notice
-        run.model.core[0].mlp.down.weight.add_(0.0)
+
+    # the record: more gradient-visible rounds than the window of 2
+    assert check_backward_window(run).passed
+    run.report["backward_histogram"] = {"3": 6}
+    assert check_backward_window(run).status == "fail"
+
+    # causality: attention that sees the future
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda q, k, v, is_causal=False, **kw: sdpa(q, k, v, is_causal=False, **kw))
-    assert not check_causality(run).passed
+    assert check_causality(run).status == "fail"
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    assert check_causality(run).passed
+
+    # weight sharing: round 2 runs a different tensor than round 1
     assert check_untied_parity(run).passed
+    with monkeypatch.context() as m:
+        _break_weight_sharing(run.model, m)
+        parity = check_untied_parity(run)
+        assert parity.status == "fail", parity.detail
+    assert check_untied_parity(run).passed
+
+    # the backward window: autograd reaches rounds the record leaves out
+    assert check_backward_window_measured(run).passed
+    with monkeypatch.context() as m:
+        _leak_gradient_past_the_window(m)
+        window = check_backward_window_measured(run)
+        assert window.status == "fail", window.detail
+        assert "R=3: measured [1, 2, 3], recorded [2, 3]" in window.detail
+
     (path / "report.json").write_text(json.dumps({**run.report}))
     capsys.readouterr()
     assert main(["check", str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith("1 failed, 1 not applicable")
+
+
+def _state_rms_by_hand(model, idx, rounds):
+    """The loop written out round by round (not through the engine): RMS of the state after each round."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        rope = model.rope(0, idx.shape[1])
+        e = model.encode(idx, rope)
+        s = model.initial_state(e, gen)
+        rms = []
+        for r in range(1, rounds + 1):
+            s = model.core_step(s, e, r, rope)
+            rms.append(s.pow(2).mean().sqrt().item())
+    return rms
+
+
+def _scale_core(model, factor):
+    with torch.no_grad():
+        for p in model.core.parameters():
+            if p.dim() == 2:
+                p.mul_(factor)
+
+
+def test_state_growth_past_trained_depth_fails():
+    run = untrained_run(**{"depth.rounds": 4})
+    _scale_core(run.model, 30.0)
+    rms = _state_rms_by_hand(run.model, torch.randint(0, 256, (2, 24)), 8)
+    assert rms[-1] / rms[3] > STATE_GROWTH_LIMIT          # the constructed model really grows (about 2x)
+    assert all(torch.isfinite(torch.tensor(rms)))        # ... while staying finite: the old check passed it
+    result = check_state_stability(run)
+    assert result.status == "fail", result.detail
+    assert f"limit {STATE_GROWTH_LIMIT}x" in result.detail
+
+
+def test_state_growth_check_passes_a_normalised_state():
+    run = untrained_run(**{"depth.rounds": 4, "model.state_norm": True})
+    _scale_core(run.model, 30.0)                           # same weights' scale; the state norm holds it
+    rms = _state_rms_by_hand(run.model, torch.randint(0, 256, (2, 24)), 8)
+    assert rms[-1] / rms[3] <= STATE_GROWTH_LIMIT
+    result = check_state_stability(run)
+    assert result.status == "pass", result.detail
+
+
+def test_backward_window_with_a_readout_before_the_window():
+    """Supervision on rounds 1 and 4, window 2 of 4: the round-1 readout trains only the coda and head,
+    so autograd must reach rounds 3 and 4 and nothing else (the model once sent it into round 1 too)."""
+    run = untrained_run(**{"supervision.kind": "rounds", "supervision.rounds": (1, 4), "backward.window": 2,
+                           "depth.kind": "fixed", "depth.rounds": 4})
+    x = torch.randint(0, run.recipe.model.vocab_size, (2, 17))
+    assert measured_grad_rounds(run.model, run.recipe, x, 4) == ((3, 4), (3, 4))
+    result = check_backward_window_measured(run)
+    assert result.status == "pass", result.detail
+
+
+def test_measured_grad_rounds_follow_the_window():
+    """Final-round supervision: the measured rounds are the last min(window, R), hand-listed."""
+    run = untrained_run(**{"backward.window": 2, "depth.rounds": 4})
+    x = torch.randint(0, run.recipe.model.vocab_size, (2, 17))
+    assert measured_grad_rounds(run.model, run.recipe, x, 4)[0] == (3, 4)
+    assert measured_grad_rounds(run.model, run.recipe, x, 1)[0] == (1,)
+    full = untrained_run(**{"backward.window": "all", "depth.rounds": 3})
+    assert measured_grad_rounds(full.model, full.recipe, x, 3)[0] == (1, 2, 3)
+    # a loss on round 3 only: round 4 is in the window and in the graph, but no loss reads it
+    third = untrained_run(**{"backward.window": 2, "depth.rounds": 4, "supervision.kind": "rounds",
+                             "supervision.rounds": (3,)})
+    assert measured_grad_rounds(third.model, third.recipe, x, 4)[0] == (3,)

@@ -45,7 +45,7 @@ def test_forward_equals_hand_unrolled_loop():
     m = looplm.build_model(rec).eval()
     idx = torch.randint(0, 257, (2, 16))
     T = idx.shape[1]
-    rope = (m.rope_cos[:T], m.rope_sin[:T])
+    rope = m.rope(0, T)
     with torch.no_grad():
         e = m.embed(idx)
         for b in m.prelude:
@@ -68,10 +68,16 @@ def test_attention_matches_eager_reference():
     m = looplm.build_model(rec).eval()
     attn = m.core[0].attn
     x = torch.randn(2, 10, 32)
-    rope = (m.rope_cos[:10], m.rope_sin[:10])
-    from looplm.model import apply_rope
-    q = apply_rope(attn.q(x).view(2, 10, 6, 16).transpose(1, 2), *rope)
-    k = apply_rope(attn.k(x).view(2, 10, 2, 16).transpose(1, 2), *rope).repeat_interleave(3, dim=1)
+    rope = m.rope(0, 10)
+
+    def rotate(t):  # RoPE by hand: pair i with i + Dh/2, rotated by position * base^(-2i/Dh)
+        inv = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+        ang = torch.arange(10, dtype=torch.float32)[:, None] * inv          # (T, Dh/2)
+        a, b = t[..., :8], t[..., 8:]
+        return torch.cat([a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()], -1)
+
+    q = rotate(attn.q(x).view(2, 10, 6, 16).transpose(1, 2))
+    k = rotate(attn.k(x).view(2, 10, 2, 16).transpose(1, 2)).repeat_interleave(3, dim=1)
     v = attn.v(x).view(2, 10, 2, 16).transpose(1, 2).repeat_interleave(3, dim=1)
     scores = q @ k.transpose(-1, -2) / 4.0
     scores = scores.masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))

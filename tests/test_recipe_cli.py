@@ -1,14 +1,21 @@
 """Recipe validation through the real command line: exit code 2, the field named, no traceback."""
 
 import json
+import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
+import torch
 
 import looplm
+from looplm.checkpoint import CHECKPOINT_VERSION, load_run
 from looplm.cli import main
-from looplm.config import field_docs, recipe_from_dict
+from looplm.config import dump_toml, field_docs, recipe_from_dict
+from looplm.errors import UserError
+
+from conftest import tiny_recipe
 
 
 def run_cli(*args):
@@ -90,3 +97,124 @@ def test_readme_documents_every_recipe_field():
     for section, rows in field_docs().items():
         for name, _, _ in rows:
             assert f"`{section}.{name}`" in readme, f"README lacks {section}.{name}"
+
+
+# --- issue 14: refused combinations, checkpoint version, defaults filled into older runs ---
+REFUSED = [
+    # DeepLoop's blocks have no inner norms, so the model used to drop sandwich without a word
+    (["--set", "model.norm=sandwich", "--set", "model.residual_scaling=deeploop"], "model.residual_scaling"),
+    # quickstart samples up to depth.max = 8 rounds; an exit floor above that can never be met
+    (["--set", "exit.min_rounds=9"], "exit.min_rounds"),
+    (["--set", "depth.kind=fixed", "--set", "depth.rounds=3", "--set", "exit.min_rounds=4"], "exit.min_rounds"),
+]
+
+
+@pytest.mark.parametrize("args,field", REFUSED)
+def test_refused_combinations_exit_2_naming_field(args, field, capsys):
+    assert main(["recipe", "show", "quickstart", *args]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,field", REFUSED[:2])
+def test_train_refuses_combinations_before_work_starts(args, field, tmp_path):
+    code, _, err = run_cli("train", "--out", str(tmp_path / "run"), *args)
+    assert code == 2 and field in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_refusal_boundaries():
+    # the largest forward depth is depth.rounds for fixed depth and depth.max otherwise
+    assert tiny_recipe(**{"exit.min_rounds": 3}).exit.min_rounds == 3           # TINY: fixed, 3 rounds
+    with pytest.raises(UserError, match="exit.min_rounds"):
+        tiny_recipe(**{"exit.min_rounds": 4})
+    sampled = {"depth.kind": "uniform", "depth.min": 1, "depth.max": 5, "depth.rounds": 2}
+    assert tiny_recipe(**sampled, **{"exit.min_rounds": 5}).exit.min_rounds == 5
+    with pytest.raises(UserError, match="exit.min_rounds"):
+        tiny_recipe(**sampled, **{"exit.min_rounds": 6})
+    # each setting alone stays allowed; only the pair is refused
+    assert tiny_recipe(**{"model.norm": "sandwich"}).model.norm == "sandwich"
+    assert tiny_recipe(**{"model.residual_scaling": "deeploop"}).model.residual_scaling == "deeploop"
+    with pytest.raises(UserError, match="model.residual_scaling"):
+        looplm.load_recipe("huginn-style", {"model.residual_scaling": "deeploop"})
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One tiny finished run; tests copy it before changing it."""
+    root = tmp_path_factory.mktemp("trained")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.py").write_text("\n".join(f"def f{i}_{j}(x):\n    return x + {j}" for j in range(80)))
+    from looplm.train import train
+    train(tiny_recipe(**{"data.path": str(corpus), "train.steps": 2}), root / "run", quiet=True)
+    return root / "run"
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _set_version(run, version):
+    path = run / "checkpoint" / "state.pt"
+    state = torch.load(path, weights_only=True)
+    if version is None:
+        del state["version"]
+    else:
+        state["version"] = version
+    torch.save(state, path)
+
+
+def test_checkpoint_version_is_read_and_a_newer_one_refused(trained_run, tmp_path, capsys):
+    run = _copy(trained_run, tmp_path)
+    assert torch.load(run / "checkpoint/state.pt", weights_only=True)["version"] == CHECKPOINT_VERSION
+    assert load_run(run).version == CHECKPOINT_VERSION
+    _set_version(run, CHECKPOINT_VERSION + 1)
+    with pytest.raises(UserError, match=f"checkpoint version {CHECKPOINT_VERSION + 1} is newer"):
+        load_run(run)
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "version" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    from looplm.train import train  # resuming reads the same state file
+    with pytest.raises(UserError, match="newer"):
+        train(looplm.load_recipe(str(run / "recipe.toml")), run, resume=True, quiet=True)
+    _set_version(run, None)
+    with pytest.raises(UserError, match="no valid version"):
+        load_run(run)
+
+
+def test_old_run_loads_with_defaults_filled_and_logged(trained_run, tmp_path, caplog):
+    run = _copy(trained_run, tmp_path)
+    full = tomllib.loads((run / "recipe.toml").read_text())
+    assert load_run(run).filled_defaults == {}  # a current run lacks nothing
+    old = {k: (dict(v) if isinstance(v, dict) else v) for k, v in full.items()}
+    del old["model"]["state_norm"]  # as if written before these fields existed
+    del old["exit"]
+    (run / "recipe.toml").write_text(dump_toml(old))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="looplm.checkpoint"):
+        loaded = load_run(run)
+    expected = {"model.state_norm": False, "exit.gate": False, "exit.policy": "fixed",
+                "exit.min_rounds": 1, "exit.exit_in_prefill": False}
+    assert loaded.filled_defaults == expected
+    assert loaded.recipe.to_dict() == full
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == len(expected)
+    for line, key in zip(lines, expected):
+        assert key in line and "default" in line
+    # with no logging set up (a script, the CLI) each filled field is one line on stderr
+    proc = subprocess.run([sys.executable, "-c", "import sys, looplm; looplm.load_run(sys.argv[1])", str(run)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == len(expected) and all(key in line for line, key in zip(err, expected))
+    assert "model.state_norm = false" in err[0]
+
+
+def test_field_docs_are_one_line_each():
+    # a docstring wrapped over lines used to break its README table row in two
+    for section, rows in field_docs().items():
+        for name, _, doc in rows:
+            assert "\n" not in doc and "  " not in doc, f"{section}.{name}"

@@ -60,7 +60,7 @@ def test_answer_mask_covers_exactly_the_answer_through_the_sampler():
 
 
 def test_answer_mask_with_ragged_jsonl_prompts(tmp_path):
-    rows = [{"prompt": "a" * n, "answer": "x" * (1 + n % 3)} for n in range(1, 13)]
+    rows = [{"prompt": "a" * n, "answer": "x" * (1 + n % 3), "difficulty": 1 + n % 2} for n in range(1, 13)]
     recipe = task_recipe(**{"data.task": str(write_jsonl(tmp_path / "d.jsonl", rows)), "data.val_fraction": 0.25})
     sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
     x, y, opts = sampler.batch(0)
@@ -317,3 +317,148 @@ def test_eval_exit_on_a_task_run(tmp_path, capsys):
     assert [r["policy"] for r in rows] == ["entropy:1000.0", "entropy:1e-06"]
     assert rows[0]["mean_rounds"] == 1 and rows[1]["mean_rounds"] == 3
     assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "entropy:x"]) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# JSONL difficulties (issue 14): train on difficulty_min..difficulty_max, evaluate beyond;
+# `looplm eval TASK_RUN --data FILE.jsonl` scores another file by difficulty x rounds.
+
+
+def levelled_rows(levels, per_level=6):
+    """Lines whose prompt names its difficulty, so a batch's difficulties can be read off its tokens."""
+    return [{"prompt": f"d{d} q{i}", "answer": str(i % 10), "difficulty": d} for d in levels for i in range(per_level)]
+
+
+def test_jsonl_training_draws_only_the_allowed_difficulties_and_evaluates_beyond(tmp_path):
+    rows = levelled_rows(range(1, 7))
+    path = write_jsonl(tmp_path / "levels.jsonl", rows)
+    recipe = task_recipe(**{"data.task": str(path), "data.difficulty_min": 2, "data.difficulty_max": 3,
+                            "data.eval_difficulty_max": 5, "data.val_fraction": 0.34, "data.eval_examples": 100,
+                            "train.batch_size": 8, "train.steps": 3})
+    level_of = {r["prompt"]: r["difficulty"] for r in rows}
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    drawn, trained_prompts = {}, set()
+    for index in range(60):  # read the prompts back from the batch's tokens, up to the separator
+        x, _, _ = sampler.batch(index)
+        for row in x.tolist():
+            prompt = TOK.decode(row[:row.index(TOK.encode(SEPARATOR)[0])])
+            drawn[level_of[prompt]] = drawn.get(level_of[prompt], 0) + 1
+            trained_prompts.add(prompt)
+    assert set(drawn) == {2, 3}
+    sets = sampler.source.eval_sets(100)
+    assert sorted(sets) == [2, 3, 4, 5]  # 1 is below the range, 6 above eval_difficulty_max
+    assert all(len(sets[d]) == 6 for d in (4, 5))  # nothing above difficulty_max is trained on: all held out
+    held = {e.prompt for d in (2, 3) for e in sets[d]}
+    assert held and not held & trained_prompts
+    # eval_difficulty_max = 0 means 2 x difficulty_max
+    assert sorted(TaskSource(task_recipe(**{"data.task": str(path), "data.difficulty_min": 2,
+                                            "data.difficulty_max": 3})).eval_sets(100)) == [2, 3, 4, 5, 6]
+    # the report says what was trained, evaluated and left out, with examples per difficulty
+    report = train(recipe, tmp_path / "run", quiet=True)
+    diff = report["task_difficulties"]
+    assert diff["trained"] == [2, 3] and diff["evaluated"] == [2, 3, 4, 5]
+    assert diff["unused_examples"] == {"1": 6, "6": 6}
+    assert diff["eval_examples"] == {str(d): len(sets[d]) for d in sets}
+    assert {d: diff["train_examples"][str(d)] + len(sets[d]) for d in (2, 3)} == {2: 6, 3: 6}
+    assert set(report["task_accuracy"]) == {"2", "3", "4", "5"}
+
+
+def test_jsonl_difficulty_errors_exit_2(tmp_path, capsys):
+    def train_on(rows, *sets):
+        path = write_jsonl(tmp_path / "f.jsonl", rows)
+        argv = ["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}"]
+        code = main(argv + [a for s in sets for a in ("--set", s)])
+        return code, capsys.readouterr().err, path
+
+    # no line in the training range: the file and the range are named
+    code, err, path = train_on(levelled_rows([1, 5]), "data.difficulty_min=2", "data.difficulty_max=3")
+    assert code == 2 and str(path) in err and "2..3" in err and "Traceback" not in err
+    # a file without difficulties cannot honour a difficulty range: refused, not ignored
+    code, err, _ = train_on([{"prompt": f"p{i}", "answer": "a"} for i in range(4)], "data.difficulty_max=2")
+    assert code == 2 and "data.difficulty_max" in err and "difficulty" in err
+    # difficulties on some lines only: the first line without one is named
+    rows = levelled_rows([1, 2], 2)
+    del rows[2]["difficulty"]
+    code, err, path = train_on(rows)
+    assert code == 2 and f"{path}, line 3" in err
+    # a JSONL file's prompts are as written: the built-in prompt-length dial is refused
+    code, err, _ = train_on(levelled_rows([1, 2]), "data.task_length=5")
+    assert code == 2 and "data.task_length" in err
+
+
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+    """A run trained on a JSONL file whose answer is always "7", so it answers some lines of
+    another file right and others wrong."""
+    tmp = tmp_path_factory.mktemp("taskrun")
+    rows = [{**r, "answer": "7"} for r in levelled_rows([1, 2], 12)]
+    torch.manual_seed(0)
+    report = train(task_recipe(**{"data.task": str(write_jsonl(tmp / "sevens.jsonl", rows)), "train.steps": 30,
+                                  "data.val_fraction": 0.25, "optim.lr": 3e-3, "optim.warmup_steps": 5}),
+                   tmp / "run", quiet=True)
+    return tmp / "run", report
+
+
+def answer_hits_by_hand(model, ex, rounds):
+    """(exact match, summed answer-token loss, answer tokens) of one example, unpadded, from
+    model(x, rounds) directly: the argmax at every position that predicts an answer token."""
+    prompt = TOK.encode(ex.prompt + SEPARATOR)
+    ids = prompt + TOK.encode(ex.answer + ANSWER_END)
+    logits = model(torch.tensor([ids[:-1]]), rounds).logits[0]           # (T, V)
+    pos = torch.arange(len(prompt) - 1, len(ids) - 1)
+    target = torch.tensor(ids[1:])[pos]
+    hit = bool((logits[pos].argmax(-1) == target).all())
+    loss = torch.nn.functional.cross_entropy(logits[pos], target, reduction="sum").item()
+    return hit, loss, len(pos)
+
+
+def test_eval_data_jsonl_scores_accuracy_by_difficulty_x_rounds(task_run, tmp_path, capsys):
+    run_dir, report = task_run
+    model = looplm.load_run(run_dir).model.eval()
+    # other prompts, difficulties 1..3 (3 never trained on), half answered "7" as in training
+    rows = [{"prompt": f"e{d} r{i}", "answer": "7" if i % 2 else "3", "difficulty": d}
+            for d in (1, 2, 3) for i in range(6)]
+    path = write_jsonl(tmp_path / "other.jsonl", rows)
+    assert main(["eval", str(run_dir), "--data", str(path), "--rounds", "1,2,3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    with torch.no_grad():
+        by_hand = {(r, i): answer_hits_by_hand(model, Example(row["prompt"], row["answer"], row["difficulty"]), r)
+                   for r in (1, 2, 3) for i, row in enumerate(rows)}
+    for r in (1, 2, 3):
+        for d in (1, 2, 3):
+            hits = [by_hand[r, i][0] for i, row in enumerate(rows) if row["difficulty"] == d]
+            assert result["by_difficulty"][str(d)][str(r)] == sum(hits) / len(hits)
+        cell = result["rounds"][str(r)]
+        assert cell["accuracy"] == sum(by_hand[r, i][0] for i in range(len(rows))) / len(rows)
+        loss = sum(by_hand[r, i][1] for i in range(len(rows))) / sum(by_hand[r, i][2] for i in range(len(rows)))
+        assert abs(cell["loss"] - loss) < 1e-4 and "ppl" in cell
+    assert 0 < result["rounds"]["3"]["accuracy"] < 1  # the model has learnt "7": right on some lines only
+    assert result["examples"] == len(rows) and result["examples_by_difficulty"] == {"1": 6, "2": 6, "3": 6}
+    # the exit path scores the same file: fixed:3 is the plain evaluation at 3 rounds
+    assert main(["eval", str(run_dir), "--data", str(path), "--exit", "fixed:3", "--json"]) == 0
+    ex = json.loads(capsys.readouterr().out)["exit"]
+    assert ex["accuracy"] == result["rounds"]["3"]["accuracy"] and set(ex["by_difficulty"]) == {"1", "2", "3"}
+    # without --data: the run's held-out split through the same scoring as the trainer's report
+    rounds = sorted(int(r) for r in report["val_accuracy_by_rounds"])
+    assert main(["eval", str(run_dir), "--rounds", ",".join(map(str, rounds)), "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["by_difficulty"] == report["task_accuracy"]
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("bad.jsonl", '{"prompt": "a", "answer": "b"}\n{"prompt": "c", "answer": "d"}\n{"prompt": "e"}\n',
+     ["line 3", "answer"]),
+    ("long.jsonl", '{"prompt": "a", "answer": "b"}\n' + json.dumps({"prompt": "z" * 500, "answer": "b"}) + "\n",
+     ["line 2", "model.context"]),
+    ("mixed.jsonl", '{"prompt": "a", "answer": "b", "difficulty": 1}\n{"prompt": "c", "answer": "d"}\n',
+     ["line 2", "difficulty"]),
+    ("prose.txt", "just some text, which a task run cannot score\n", ["JSONL", "prompt"]),
+])
+def test_eval_data_on_a_task_run_refuses_bad_input(task_run, tmp_path, capsys, name, content, words):
+    path = tmp_path / name
+    path.write_text(content)
+    code = main(["eval", str(task_run[0]), "--data", str(path), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert str(path) in err and all(w in err for w in words) and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -273,3 +273,14 @@ def test_chain_trace_follows_the_bindings_hop_by_hop():
 def test_load_jsonl_keeps_a_trace(tmp_path):
     path = write(tmp_path, b'{"prompt": "p", "answer": "a", "trace": ["x", "y"]}\n')
     assert load_jsonl(path)[0].meta["trace"] == ["x", "y"]
+
+
+def test_load_jsonl_marks_a_missing_difficulty(tmp_path):
+    """A line without "difficulty" is difficulty 0 with meta["difficulty"] None, so a file that
+    gives no difficulties can be told from one whose lines are all difficulty 0."""
+    path = write(tmp_path, '{"prompt": "p", "answer": "a"}\n{"prompt": "q", "answer": "b", "difficulty": 0}\n')
+    exs = load_jsonl(path)
+    assert [e.difficulty for e in exs] == [0, 0]
+    assert [e.meta["difficulty"] for e in exs] == [None, 0]
+    with pytest.raises(UserError, match="line 1.*'difficulty' must be an integer"):
+        load_jsonl(write(tmp_path, '{"prompt": "p", "answer": "a", "difficulty": null}\n', "null.jsonl"))
