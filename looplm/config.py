@@ -142,7 +142,7 @@ class DepthConfig:
 @dataclass(frozen=True, kw_only=True)
 class BackwardConfig:
     window: Union[int, Literal["all"]] = "all"
-    """Gradients pass through only the last `window` rounds (the state is detached before them), or "all"."""
+    """Gradients pass through only the last `window` rounds, or "all". Earlier rounds run without gradient (the state entering the window is a constant); a supervised readout or gate hazard at a round before the window trains only the coda, head and gate, never the core or prelude. Recorded per step as the rounds autograd reaches."""
 
     def __post_init__(self) -> None:
         if self.window != "all":
@@ -202,7 +202,7 @@ class DataConfig:
     path: str = ""
     """Text file or folder for language-model data; empty = the embedded corpus (this Python's stdlib source)."""
     task: str = ""
-    """A built-in task generator name or a JSONL path of {prompt, answer} lines (see README)."""
+    """A built-in task generator name or a JSONL path of {prompt, answer} lines (see docs/tasks.md)."""
     tokenizer: Literal["byte", "bpe"] = "byte"
     """Byte-level (257 ids) or a BPE trained locally on the training split with model.vocab_size ids."""
     max_bytes: int = 2_000_000
@@ -574,7 +574,7 @@ def dump_toml(data: dict[str, Any]) -> str:
 
 
 def field_docs() -> dict[str, list[tuple[str, str, str]]]:
-    """section -> [(field, default, docstring)], read from the attribute docstrings above (for the README)."""
+    """section -> [(field, default, docstring)], read from the attribute docstrings above (for docs/recipe.md)."""
     import ast
     import inspect
     out = {}

@@ -1,6 +1,11 @@
-"""Rewrite the README's recipe-field tables from the config docstrings.
+"""Rewrite the recipe reference's field tables (docs/recipe.md) from the config docstrings.
 
     python scripts/readme_fields.py
+
+The tables go between the `<!-- recipe-fields:start -->` and `<!-- recipe-fields:end -->`
+markers of docs/recipe.md; the text around them is kept. (The script keeps its old name from
+when the tables lived in README.md.) tests/test_recipe_cli.py fails when the file and
+`tables()` disagree, so run this after changing a field or its docstring.
 """
 
 from pathlib import Path
@@ -8,6 +13,7 @@ from pathlib import Path
 from looplm.config import field_docs
 
 START, END = "<!-- recipe-fields:start -->", "<!-- recipe-fields:end -->"
+PATH = Path(__file__).parent.parent / "docs" / "recipe.md"
 
 
 def tables() -> str:
@@ -19,8 +25,7 @@ def tables() -> str:
 
 
 if __name__ == "__main__":
-    path = Path(__file__).parent.parent / "README.md"
-    text = path.read_text()
+    text = PATH.read_text()
     head, rest = text.split(START) if START in text else (text, END)
     tail = rest.split(END, 1)[1] if END in rest else ""
-    path.write_text(head + START + "\n" + tables() + END + tail)
+    PATH.write_text(head + START + "\n" + tables() + END + tail)
