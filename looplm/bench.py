@@ -113,7 +113,7 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
 
     torch.manual_seed(0)
     ov = {**BENCH_S, **(QUICK if spec["quick"] else {})}
-    model = build_model(load_recipe("quickstart", overrides=ov)).eval()
+    model = build_model(load_recipe("quickstart", overrides=ov)).eval().to(spec.get("device", "cpu"))
     cfg = GenerationConfig(**spec.get("config", {}))
     engine = Engine(model, None, cfg)
     prompts = _prompts(spec["batch"], model.cfg.vocab_size).tolist()
@@ -146,10 +146,10 @@ def setup_hf(spec: dict[str, Any]) -> tuple[Any, Any]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    model = hf_llama(spec["quick"]).eval()
+    model = hf_llama(spec["quick"]).eval().to(spec.get("device", "cpu"))
     cfg = model.config
     B, N = spec["batch"], spec["new_tokens"]
-    x = _prompts(B, cfg.vocab_size)
+    x = _prompts(B, cfg.vocab_size).to(spec.get("device", "cpu"))
     mask = torch.ones_like(x)
 
     class Clock(BaseStreamer):
@@ -190,9 +190,9 @@ def setup_xtransformers(spec: dict[str, Any]) -> tuple[Any, Any]:
     from x_transformers import AutoregressiveWrapper
 
     q = spec["quick"]
-    wrapper = AutoregressiveWrapper(xt_looped(q)).eval()
+    wrapper = AutoregressiveWrapper(xt_looped(q)).eval().to(spec.get("device", "cpu"))
     B, N = spec["batch"], spec["new_tokens"]
-    x = _prompts(B, 512 if q else 4096)
+    x = _prompts(B, 512 if q else 4096).to(spec.get("device", "cpu"))
 
     def run_once() -> dict[str, Any]:   # no per-token hook: ttft = a 1-token generate, decode = the rest
         with torch.inference_mode():
@@ -212,8 +212,8 @@ SETUPS = {"looplm": setup_looplm, "hf-llama": setup_hf, "x-transformers": setup_
 PEER_MODULES = {"hf-llama": "transformers", "x-transformers": "x_transformers"}
 
 
-def _row_specs(new_tokens: int, quick: bool, peers: bool) -> list[dict[str, Any]]:
-    base = {"new_tokens": new_tokens, "quick": quick}
+def _row_specs(new_tokens: int, quick: bool, peers: bool, device: str = "cpu") -> list[dict[str, Any]]:
+    base = {"new_tokens": new_tokens, "quick": quick, "device": device}
     specs: list[dict[str, Any]] = [
         {"engine": "looplm", "batch": 1, "label": HEADLINE},
         {"engine": "looplm", "batch": BATCH, "label": HEADLINE},
@@ -259,7 +259,7 @@ class _RowProcess:
 
 
 def bench_decode(runs: int = 5, threads: int = 0, new_tokens: int = 128, quick: bool = False,
-                 peers: bool = True) -> dict[str, Any]:
+                 peers: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Every row of the decode benchmark; the CONTRACT's `bench decode --json` object.
 
     Rows are interleaved: each of `runs` rounds times every row once, so a burst of load from
@@ -275,7 +275,9 @@ def bench_decode(runs: int = 5, threads: int = 0, new_tokens: int = 128, quick: 
     threads = threads or len(os.sched_getaffinity(0))
     if not 2 <= new_tokens <= 256 - PROMPT_LEN:
         raise UserError(f"--new-tokens {new_tokens}: must lie in 2..{256 - PROMPT_LEN} (context 256, prompt 32)")
-    specs = _row_specs(new_tokens, quick, peers)
+    from .device import resolve_device
+    device = str(resolve_device(device))
+    specs = _row_specs(new_tokens, quick, peers, device)
     rows: list[dict[str, Any] | None] = [None] * len(specs)
     procs: dict[int, _RowProcess] = {}
     timed: dict[int, list[dict[str, Any]]] = {}
@@ -309,7 +311,7 @@ def bench_decode(runs: int = 5, threads: int = 0, new_tokens: int = 128, quick: 
     results = [r for r in rows if r is not None]
     out: dict[str, Any] = {"config": "bench-s" if not quick else "bench-s (quick: d_model 64)",
                            "prompt_tokens": PROMPT_LEN, "new_tokens": new_tokens, "greedy": True,
-                           "dtype": "fp32", "threads": threads, "runs": runs, "machine": _machine(),
+                           "dtype": "fp32", "threads": threads, "runs": runs, "device": device, "machine": _machine(),
                            "results": results}
     out["ratios"] = _ratios(results)
     return out

@@ -33,30 +33,33 @@ def _batch(vocab: int, seq: int) -> Any:
     return torch.randint(0, vocab, (BATCH, seq + 1), generator=g)
 
 
-def _step_fn(engine: str, quick: bool) -> tuple[Any, Any]:
-    """(one optimizer step, model) for an engine; every step is forward, backward and AdamW."""
+def _step_fn(engine: str, quick: bool, device: str = "cpu") -> tuple[Any, Any]:
+    """(one optimizer step, model) for an engine; every step is forward, backward and AdamW.
+    looplm-compiled is the looplm row with torch.compile applied from outside (looplm.device.compiled)."""
     import torch
     import torch.nn.functional as F
 
     seq = 64 if quick else SEQ
-    if engine == "looplm":
+    if engine in ("looplm", "looplm-compiled"):
+        from .device import compiled
         from .config import load_recipe
         from .model import build_model
         from .train import make_optimizer
         recipe = load_recipe("quickstart", overrides={**BENCH_S, **(QUICK if quick else {})})
         torch.manual_seed(0)
-        model = build_model(recipe).train()
+        model = build_model(recipe).train().to(device)
         opt = make_optimizer(model, recipe)
-        forward = lambda x: model(x, 3).logits                                    # noqa: E731
+        run = compiled(model, engine == "looplm-compiled")
+        forward = lambda x: run(x, 3).logits                                      # noqa: E731
     elif engine == "hf-llama":
-        model = hf_llama(quick).train()
+        model = hf_llama(quick).train().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         forward = lambda x: model(input_ids=x).logits                             # noqa: E731
     else:
-        model = xt_looped(quick).train()
+        model = xt_looped(quick).train().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         forward = lambda x: model(x, looped_steps=4, looped_pred_all_logits=False)  # noqa: E731
-    data = _batch(512 if quick else 4096, seq)
+    data = _batch(512 if quick else 4096, seq).to(device)
 
     def step() -> float:
         logits = forward(data[:, :-1])
@@ -68,15 +71,24 @@ def _step_fn(engine: str, quick: bool) -> tuple[Any, Any]:
     return step, model
 
 
-def matmul_peak_flops(threads: int, n: int = 1024, reps: int = 5) -> float:
+def _sync(device: str) -> None:
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()    # kernels run asynchronously: time what finished
+
+
+def matmul_peak_flops(threads: int, n: int = 1024, reps: int = 5, device: str = "cpu") -> float:
     import torch
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    n = n if device == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
     times = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         a @ b
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / min(times)
 
@@ -89,17 +101,20 @@ def flops_per_token(quick: bool) -> float:
 
 
 def bench_train(runs: int = 5, steps: int = 3, threads: int = 1, quick: bool = False,
-                peers: bool = True) -> dict[str, Any]:
-    """Every row of the train benchmark; the CONTRACT's `bench train --json` object."""
+                peers: bool = True, compile: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Every row of the train benchmark; the CONTRACT's `bench train --json` object. compile adds the
+    looplm-compiled row (torch.compile; its compilation is an untimed warm-up, minutes on a small CPU)."""
     import importlib.util
 
+    from .device import resolve_device
     from .errors import UserError
     if runs < 1 or steps < 1 or threads < 1:
         raise UserError("--runs, --steps and --threads must be >= 1")
-    engines = ["looplm"] + (["hf-llama", "x-transformers"] if peers else [])
+    device = str(resolve_device(device))
+    engines = ["looplm"] + (["looplm-compiled"] if compile else []) + (["hf-llama", "x-transformers"] if peers else [])
     seq = 64 if quick else SEQ
     fpt = flops_per_token(quick)
-    peak = matmul_peak_flops(threads)
+    peak = matmul_peak_flops(threads, device=device)
     rows: dict[str, dict[str, Any]] = {}
     procs: dict[str, _RowProcess] = {}
     timed: dict[str, list[float]] = {}
@@ -110,7 +125,8 @@ def bench_train(runs: int = 5, steps: int = 3, threads: int = 1, quick: bool = F
                 rows[eng] = {"engine": eng, "skipped": True,
                              "note": f"{mod} is not importable; pip install {mod.replace('_', '-')} -c constraints.txt"}
                 continue
-            procs[eng] = _RowProcess({"engine": eng, "quick": quick, "steps": steps}, threads, "looplm.bench_train")
+            procs[eng] = _RowProcess({"engine": eng, "quick": quick, "steps": steps, "device": device}, threads,
+                                     "looplm.bench_train")
         for eng, p in list(procs.items()):
             try:
                 p.ask("ready")
@@ -133,11 +149,13 @@ def bench_train(runs: int = 5, steps: int = 3, threads: int = 1, quick: bool = F
         for p in procs.values():
             p.close()
     results = [rows[e] for e in engines if e in rows]
-    base = rows.get("looplm", {}).get("tokens_per_s")
-    ratios = {f"looplm_vs_{r['engine']}": base / r["tokens_per_s"]
-              for r in results if r["engine"] != "looplm" and "tokens_per_s" in r and base}
+    ratios = {f"{mine}_vs_{r['engine']}": rows[mine]["tokens_per_s"] / r["tokens_per_s"]
+              for mine in ("looplm", "looplm-compiled") if "tokens_per_s" in rows.get(mine, {})
+              for r in results if not r["engine"].startswith("looplm") and "tokens_per_s" in r}
+    if "tokens_per_s" in rows.get("looplm-compiled", {}) and "tokens_per_s" in rows.get("looplm", {}):
+        ratios["looplm-compiled_vs_looplm"] = rows["looplm-compiled"]["tokens_per_s"] / rows["looplm"]["tokens_per_s"]
     return {"config": "bench-s" if not quick else "bench-s (quick: d_model 64, context 64)", "batch": BATCH,
-            "seq_len": seq, "dtype": "fp32", "optimizer": "AdamW", "threads": threads, "runs": runs,
+            "seq_len": seq, "dtype": "fp32", "optimizer": "AdamW", "threads": threads, "runs": runs, "device": device,
             "steps_per_run": steps, "flops_per_token": fpt, "peak_matmul_flops": peak, "results": results,
             "ratios": ratios}
 
@@ -160,13 +178,16 @@ def _row_main(spec_text: str) -> None:
     import torch
     spec = json.loads(spec_text)
     torch.set_num_threads(spec["threads"])
-    step, model = _step_fn(spec["engine"], spec["quick"])
+    device = spec.get("device", "cpu")
+    step, model = _step_fn(spec["engine"], spec["quick"], device)
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # shared tensors once
 
     def run_once() -> dict[str, Any]:
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(spec["steps"]):
             step()
+        _sync(device)
         return {"step_s": (time.perf_counter() - t0) / spec["steps"]}
     answer_row_commands(run_once, lambda: {"params": params})
 

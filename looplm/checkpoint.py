@@ -122,7 +122,10 @@ class Run:
     """Recipe fields missing from the run's recipe.toml (written by an older looplm) -> the default used."""
 
 
-def load_run(path: str | Path) -> Run:
+def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Run:
+    """A run folder, loaded for use: the model in eval mode on `device` (cpu by default; "auto" = cuda
+    when available; see device.resolve_device)."""
+    from .device import resolve_device
     from .model import build_model
     from .tokenizer import load_tokenizer
 
@@ -136,7 +139,7 @@ def load_run(path: str | Path) -> Run:
     recipe, filled = load_run_recipe(run_dir)
     model = build_model(recipe)
     load_weights(run_dir, model)
-    model.eval()
+    model.eval().to(resolve_device(device))
     tokenizer = load_tokenizer(run_dir / "checkpoint")
     report = {}
     if (run_dir / "report.json").is_file():

@@ -61,7 +61,8 @@ class CheckResult:
 
 def _sample_ids(run: Run, T: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, run.tokenizer.vocab_size, (2, T), generator=g)
+    ids = torch.randint(0, run.tokenizer.vocab_size, (2, T), generator=g)
+    return ids.to(next(run.model.parameters()).device)
 
 
 def _logits(model: LoopedLM, idx: torch.Tensor, rounds: int) -> torch.Tensor:

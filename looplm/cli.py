@@ -61,7 +61,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate_rounds, eval_rounds_list
     from .evaluate import eval_batches_for
 
-    run = load_run(args.run)
+    run = load_run(args.run, device=args.device)
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
@@ -156,6 +156,11 @@ def _logit_bias(pairs: list[str]) -> dict[int, float]:
     return out
 
 
+def _device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
+    p.add_argument("--device", default=default, metavar="D",
+                   help=f"torch device: auto (cuda when available), cpu, cuda, cuda:N or mps (default {default})")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .checkpoint import load_run
     from .generation import generate_for_run
@@ -179,11 +184,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if given:
             raise UserError(f"--no-cache is the plain reference (greedy or temperature, fixed depth); "
                             f"it takes none of: {', '.join(_flag(k) for k in given)}")
-        run = load_run(args.run)
+        run = load_run(args.run, device=args.device)
         result = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                seed=args.seed, rounds=rounds)
     else:
-        run = load_run(args.run)
+        run = load_run(args.run, device=args.device)
         result = generate_for_run(run, args.prompt, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, seed=args.seed, rounds=args.rounds, **options)
     _emit(result, args.json, result["text"])
@@ -213,7 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    serve(args.run, host=args.host, port=args.port, limits=limits, engine_options=engine_options)
+    serve(args.run, host=args.host, port=args.port, limits=limits, engine_options=engine_options, device=args.device)
     return 0
 
 
@@ -221,7 +226,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from .bench import bench_decode, decode_lines
 
     result = bench_decode(runs=args.runs, threads=args.threads, new_tokens=args.new_tokens, quick=args.quick,
-                          peers=not args.no_peers)
+                          peers=not args.no_peers, device=args.device)
     _emit(result, args.json, "\n".join(decode_lines(result)))
     return 0
 
@@ -230,7 +235,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     from .bench_train import bench_train, train_lines
 
     result = bench_train(runs=args.runs, steps=args.steps, threads=args.threads, quick=args.quick,
-                         peers=not args.no_peers)
+                         peers=not args.no_peers, compile=args.compile, device=args.device)
     _emit(result, args.json, "\n".join(train_lines(result)))
     return 0
 
@@ -239,7 +244,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .checkpoint import load_run
     from .checks import FAIL, NOT_APPLICABLE, PASS, run_checks
 
-    results = run_checks(load_run(args.run))
+    results = run_checks(load_run(args.run, device=args.device))
     label = {PASS: "PASS", FAIL: "FAIL", NOT_APPLICABLE: "N/A "}
     count = {s: sum(c.status == s for c in results) for s in (PASS, FAIL, NOT_APPLICABLE)}
     lines = [f"{label[c.status]}  {c.name}: {c.detail}" for c in results]
@@ -306,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "; writes a table, a plot and a report.md section")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
+    _device_arg(e)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -331,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="report each token's log-probability and the N likeliest tokens' (with --json)")
+    _device_arg(g)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 
@@ -353,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
                          "(other rows step in between; 0 = a whole prompt at once)")
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    _device_arg(sv)
     sv.set_defaults(func=cmd_serve)
 
     bn = sub.add_parser("bench", help="benchmarks on the matched bench-s configuration, peers in the same run")
@@ -364,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--new-tokens", type=int, default=128)
     bd.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
     bd.add_argument("--no-peers", action="store_true", help="skip the hf-llama and x-transformers rows")
+    _device_arg(bd, default="cpu")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=cmd_bench_decode)
     bt = bsub.add_parser("train", help="training tokens/s, MFU and memory vs HF and x-transformers")
@@ -372,11 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--threads", type=int, default=1, help="torch CPU threads for every engine (default 1)")
     bt.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
     bt.add_argument("--no-peers", action="store_true", help="skip the hf-llama and x-transformers rows")
+    bt.add_argument("--compile", action="store_true",
+                    help="add the looplm-compiled row (torch.compile; compiling takes minutes on a small CPU)")
+    _device_arg(bt, default="cpu")
     bt.add_argument("--json", action="store_true")
     bt.set_defaults(func=cmd_bench_train)
 
     c = sub.add_parser("check", help="the seeds' checks before claiming a saving, against a run")
     c.add_argument("run")
+    _device_arg(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
 

@@ -71,7 +71,7 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
                                    reduce=False)
         total = mean_loss(terms.total, mask)
         info = {"task_loss": mean_loss(terms.task, mask).item(), "regulariser": mean_loss(terms.regulariser, mask).item(),
-                "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1)).sum(-1), mask).item()}
+                "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1, device=masses.device)).sum(-1), mask).item()}
         return total, info
     place = placement(cfg, out.rounds)
     losses = []

@@ -55,7 +55,8 @@ def collect_states(model: torch.nn.Module, tok: Any, examples: list[Example], ro
     chunks = []
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], model.cfg.context, separator)
-        out = model(b.x, rounds, collect_stats=True, generator=torch.Generator().manual_seed(0))
+        out = model(b.x.to(next(model.parameters()).device), rounds, collect_stats=True,
+                    generator=torch.Generator().manual_seed(0))
         pos = torch.tensor(b.prompt_lens) - 1
         rows = torch.arange(len(pos))
         chunks.append(torch.stack([s[rows, pos] for s in out.round_states]))  # (R, B, d)

@@ -44,13 +44,15 @@ def generate_text(run: Any, prompt: str, max_new_tokens: int = 64, temperature: 
         raise UserError(f"--prompt: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the context of {ctx} "
                         "(positions run: prompt + new tokens - 1)")
     g = torch.Generator().manual_seed(seed)
-    noise = initial_noise_table(model.cfg, seed)[None] if model.cfg.init_state == "random" else None  # (1, ctx, d)
+    device = next(model.parameters()).device
+    noise = (initial_noise_table(model.cfg, seed)[None].to(device) if model.cfg.init_state == "random"
+             else None)                                                                          # (1, ctx, d)
 
     def forward(seq: torch.Tensor):
         s0 = None if noise is None else noise[:, :seq.shape[1]]
         return model(seq, rounds, initial_state=s0)
 
-    seq = torch.tensor([ids])
+    seq = torch.tensor([ids], device=device)
     t0 = time.perf_counter()
     forward(seq)
     prefill_s = time.perf_counter() - t0

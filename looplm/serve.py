@@ -602,7 +602,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
 
 def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
-          engine_options: dict[str, Any] | None = None, log_level: str = "info") -> None:
+          engine_options: dict[str, Any] | None = None, log_level: str = "info", device: str = "cpu") -> None:
     """Load a run and serve it until interrupted."""
     import sys
 
@@ -612,7 +612,7 @@ def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: Se
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must lie in 0..65535")
-    run = load_run(run_dir)
+    run = load_run(run_dir, device=device)
     engine = Engine.from_run(run, **(engine_options or {}))
     app = create_app(engine, model_name=run.path.resolve().name, limits=limits)
     print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r})",

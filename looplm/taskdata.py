@@ -29,6 +29,7 @@ import hashlib
 import math
 import random
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -508,8 +509,10 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
 
     model.eval()
     correct, loss_sum, tokens, used, used_first, wall = 0, 0.0, 0, 0, 0, 0.0
+    device = next(model.parameters()).device
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], getattr(model.cfg, "context", None), separator)
+        b = dataclasses.replace(b, **{f: getattr(b, f).to(device) for f in ("x", "y", "mask")})
         t0 = time.perf_counter()
         out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask)
         wall += time.perf_counter() - t0
@@ -556,7 +559,7 @@ def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds:
             T = int(lens.max())
             r = rounds if rounds is not None else getattr(model, "nominal_rounds", 1)
             logits = logits_by_rounds(model, buf[:, :T], [r])[r]          # (B, T, V)
-            nxt = logits[torch.arange(B), lens - 1].argmax(-1)           # (B,)
+            nxt = logits[torch.arange(B), lens - 1].argmax(-1).cpu()     # (B,)
             for i in range(B):
                 if done[i]:
                     continue

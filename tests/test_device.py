@@ -104,3 +104,15 @@ def test_cuda_cached_decoding_equals_full_forward(tmp_path, text_dir):
     with torch.no_grad():
         logits = run.model(torch.tensor([ids], device="cuda")).logits[0]
     assert logits[len(ids) - len(out.tokens) - 1:-1].argmax(-1).tolist() == out.tokens
+
+
+def test_commands_take_a_device(tmp_path, text_dir, capsys):
+    train(tiny_recipe(**{"data.path": str(text_dir)}), tmp_path / "run", quiet=True)
+    run = str(tmp_path / "run")
+    assert main(["generate", run, "--prompt", "def", "--max-new-tokens", "3", "--device", "cpu", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 3
+    assert main(["eval", run, "--rounds", "1,2", "--device", "auto", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["rounds"]) == {"1", "2"}
+    assert main(["generate", run, "--prompt", "def", "--device", "tpu"]) == 2
+    assert "--device 'tpu'" in capsys.readouterr().err
+    assert looplm.load_run(run, device="auto").model.embed.weight.device == resolve_device("auto")
