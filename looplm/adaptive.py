@@ -1,34 +1,33 @@
 """Per-token early exit over whole sequences, where exiting really skips work.
 
-`early_exit(model, idx, policy)` runs a looped model on (B, T) tokens the way evaluation and
-prefill need it: after every round each still-active token asks the exit policy
-(`halting.should_exit`) whether to stop, and the next round runs *only on the tokens still
-active* — they are gathered into a smaller batch of query rows (`QueryLayout`: (B', W) rows,
-each holding up to W active tokens of one sequence, so padding stays small even when one
-sequence keeps many tokens running), and the core's matmuls, attention queries, gate and (for
-entropy/kl) readouts shrink with the number of tokens left.
+`early_exit(model, idx, policy)` runs a looped model on (B, T) tokens the way evaluation needs
+it and computes what the cached decoder (`Engine`, generation.py) computes token by token:
+the same `halting.ExitController` decides after every round which tokens stop, and the same
+visibility rule (`cache.MISSING`: copy-forward or mask) says how later rounds see them.
+
+The parallel pass. The next round runs *only on the tokens still active*: they are gathered
+into a smaller batch of query rows (`QueryLayout`: (B', W) rows, each holding up to W active
+tokens of one sequence, so padding stays small even when one sequence keeps many tokens
+running), and the core's matmuls, attention queries, gate and (for entropy/kl) readouts shrink
+with the number of tokens left. `SequenceKV` holds each position's core K/V from its latest
+computed round; queries come only from active tokens, with RoPE at their true positions.
 Nothing is computed for a token after its exit round; `computed[b, t, r-1]` records the rounds
 whose core step ran for each token, and `rounds_used` is its sum.
 
-Attention still needs keys/values for every earlier position, including tokens that stopped.
-`CopyForwardKV` supplies them: one buffer per block position (core block i, coda block i) holds
-each token's K/V from its latest computed round at that position ("copy-forward", Huginn's
-`latest-m4` lookup). Active tokens overwrite their entries each round; a stopped token's entry
-stays as it was at its exit round. Queries come only from active tokens, with RoPE at their
-true positions and a causal mask over the full key range.
-
-Readouts (coda + LM head):
-- entropy / kl policies judge each round's readout, so active tokens are read out every round
-  they may exit at (that is part of their real cost); the coda's attention uses the same
-  copy-forward rule. A token's logits are its readout at its exit round.
-- fixed / quantile policies need only the gate (quantile) or nothing (fixed): one readout runs
-  after the loop on every token's exit state, with ordinary causal attention in the coda.
-With no coda (`n_coda = 0`, the Ouro-style stack) both are simply head(norm(exit state)).
+Readouts (coda + LM head). A decoder's cache holds one coda entry per token, from the readout
+at its exit round, and that is what later tokens' codas attend to. So:
+- fixed / quantile: one readout after the loop on every token's exit state, with ordinary
+  causal attention in the coda (exactly those entries);
+- entropy / kl without a coda (`n_coda = 0`, the Ouro-style stack): the readout is
+  head(norm(state)) per token, read out every round a token may exit at (part of its cost);
+- entropy / kl with a coda: token t's readout at round r reads earlier tokens' exit readouts,
+  which may come from rounds after r, so no round-synchronous pass can compute it; the
+  sequence is decoded column by column through the Engine's chunks (`_column_by_column`).
 
 When no token exits early, every round sees all tokens and a full causal mask, and the logits
-equal the plain full-depth forward (bit for bit with PyTorch's CPU attention; the tests in
-tests/test_adaptive.py allow 1e-6 for every policy, and check the partial rounds against a
-naive compute-everything-then-mask reference).
+equal the plain full-depth forward (tests/test_adaptive.py allows 1e-6 for every policy, checks
+the parallel pass against a naive compute-everything-then-mask reference, and evaluation
+against token-by-token decoding and a from-scratch decode reference, with a coda).
 
 This module also holds the compute-quality evaluation built on it (`evaluate_exit`,
 `exit_sweep`, `exit_distribution_depth`) used by `looplm eval --exit/--exit-sweep`.
@@ -46,8 +45,8 @@ import torch
 from torch import Tensor
 
 from .errors import UserError
-from .halting import (ExitPolicy, hazards_to_masses, parse_exit_policy, should_exit, successive_kl,
-                      token_entropy)
+from .cache import MISSING
+from .halting import ExitController, ExitPolicy, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
 from .model import LoopOutput
 
 
@@ -131,40 +130,55 @@ class QueryLayout:
         return full.index_put((self.seq, self.pos), x[self.bi, self.ai])
 
 
-class CopyForwardKV:
-    """Keys/values for a whole-sequence early-exit pass, with the `cache.update(slot, k, v)`
-    interface `Attention.forward` calls.
+class SequenceKV:
+    """Core keys/values for a whole-sequence early-exit pass, with the `KVCache` protocol
+    (`update(slot, k, v)`) that `Attention.forward` calls.
 
-    One buffer per (kind, block index) holds each position's K/V from its latest computed round
-    (copy-forward). `select(layout)` names the query tokens of the coming calls (a `QueryLayout`,
-    or None for every token); `update` writes their fresh K/V into the buffer and returns, for
-    each query row, its sequence's K/V at every position with the causal mask for its queries.
-    Padding query slots are computed but never written. The first call for a block must select
-    every token (round 1 of a whole-sequence pass does). `writes[slot]` records, per slot, which
-    tokens had their K/V computed there — the audit trail of which rounds ran for which token.
+    One buffer per core block index holds each position's K/V from its latest computed round.
+    How a later round sees a token that stopped is the visibility rule (`cache.MISSING`, the
+    same choice and meaning as `LoopKVCache`'s): "copy_forward" reads that latest entry,
+    "mask" leaves the token out of the round's attention. `select(layout, active)` names the
+    query tokens of the coming calls (a `QueryLayout`, or None for every token) and which tokens
+    are still running; `update` writes the queries' fresh K/V into the buffer and returns, for
+    each query row, its sequence's K/V at every position with the mask for its queries. Padding
+    query slots are computed but never written. The first call for a block must select every
+    token (round 1 of a whole-sequence pass does). `writes[slot]` records, per slot, which
+    tokens had their K/V computed there: the audit trail of which rounds ran for which token.
+    Only the core goes through this cache: with a coda, the policies whose readouts decide
+    run column by column through the Engine instead (see `early_exit`).
     """
 
-    def __init__(self, batch: int, length: int, device: torch.device | str = "cpu"):
-        self.B, self.T, self.device = batch, length, device
+    def __init__(self, batch: int, length: int, device: torch.device | str = "cpu", missing: str = "copy_forward"):
+        if missing not in MISSING:
+            raise UserError(f"missing-entry handling {missing!r}: expected one of {', '.join(MISSING)}")
+        self.B, self.T, self.device, self.missing = batch, length, device, missing
         self._kv: dict[tuple[str, int], tuple[Tensor, Tensor]] = {}   # (kind, i) -> (B, Hkv, T, Dh) x2
         self._layout: QueryLayout | None = None
         self._mask: Tensor | None = None       # (T, T) or (B', 1, W, T) bool, True = may attend
         self.writes: dict[Any, Tensor] = {}    # slot -> (B, T) bool
         self.select(None)
 
-    def select(self, layout: QueryLayout | None) -> None:
-        """Queries for the next update() calls: every token (None) or the rows of `layout`."""
+    def select(self, layout: QueryLayout | None, active: Tensor | None = None) -> None:
+        """Queries for the next update() calls: every token (None) or the rows of `layout`;
+        active (B, T) bool: the tokens still running (needed when layout is given)."""
         T = self.T
         self._layout = layout
         if layout is None:
             self._mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             return
         keys = torch.arange(T, device=self.device)
-        self._mask = (keys <= layout.rows.unsqueeze(-1)).unsqueeze(1)        # (B', 1, W, T)
+        mask = keys <= layout.rows.unsqueeze(-1)                             # (B', W, T) causal
+        if self.missing == "mask":
+            # stopped tokens drop out of later rounds; a query is active, so it still sees itself
+            seq = torch.arange(self.B, device=self.device).unsqueeze(1) if layout.src is None else layout.src.unsqueeze(1)
+            mask = mask & active[seq]                                         # (B', 1, T) -> (B', W, T)
+        self._mask = mask.unsqueeze(1)                                       # (B', 1, W, T)
 
     def update(self, slot: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """k, v: (B', Hkv, W, Dh) of the selected queries -> (B', Hkv, T, Dh) x2 and the mask."""
         kind, _round, i = slot
+        if kind != "core":
+            raise RuntimeError(f"SequenceKV holds the core only, asked for {slot}")
         key = (kind, i)
         lay = self._layout
         if lay is None:
@@ -175,7 +189,7 @@ class CopyForwardKV:
             self.writes[slot] = torch.ones(self.B, self.T, dtype=torch.bool, device=k.device)
             return k, v, self._mask
         if key not in self._kv:
-            raise RuntimeError(f"CopyForwardKV: first call for {key} must select every token")
+            raise RuntimeError(f"SequenceKV: first call for {key} must select every token")
         kb, vb = self._kv[key]
         kb[lay.seq, :, lay.pos] = k[lay.bi, :, lay.ai]           # (N, Hkv, Dh): only real queries write
         vb[lay.seq, :, lay.pos] = v[lay.bi, :, lay.ai]
@@ -204,21 +218,10 @@ def _budget(model, policy: ExitPolicy, rounds: int | None) -> int:
     return rounds
 
 
-def _read_rounds(policy: ExitPolicy, R: int, prefill: bool) -> set[int]:
-    """Rounds after which active tokens need a per-round readout (entropy/kl only)."""
-    if policy.kind not in ("entropy", "kl"):
-        return set()
-    may_exit = not prefill or policy.exit_in_prefill
-    decide = {r for r in range(1, R) if r >= policy.min_rounds and may_exit}
-    if policy.kind == "kl":
-        decide |= {r - 1 for r in decide if r > 1}                   # kl compares with the round before
-    return decide | {R}
-
-
 @torch.no_grad()
 def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None = None, *,
                prefill: bool = False, generator: torch.Generator | None = None,
-               may_exit: Tensor | None = None) -> AdaptiveOutput:
+               may_exit: Tensor | None = None, missing: str = "copy_forward") -> AdaptiveOutput:
     """Run `model` on idx (B, T) with per-token early exit; rounds after a token's exit are not computed.
 
     policy:  an ExitPolicy or its string; rounds: the round budget R (default: R of fixed:R, else the
@@ -226,7 +229,17 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
     policy.exit_in_prefill (evaluation passes prefill=False: exits allowed). generator: the random
     initial state's generator, as for `model(...)`. may_exit (B, T) bool: only these tokens may
     exit before R; the others run every round (task evaluation: the prompt is prefilled at full
-    depth, the positions that predict the answer follow the policy).
+    depth, the positions that predict the answer follow the policy). missing: how later rounds
+    see a stopped token (`cache.MISSING`), as the Engine's `GenerationConfig.missing`.
+
+    The function computed is the cached decoder's (`Engine`), token for token: a token's core at
+    round r sees earlier tokens by the visibility rule, and its coda sees earlier tokens' coda
+    K/V as the decoder's cache holds them, i.e. from their exit-round readouts. For fixed and
+    quantile that is one causal readout of the exit states after the loop. For entropy and kl
+    on a model with a coda, a token's readout at round r reads earlier tokens' exit readouts,
+    which may come from rounds after r, so the decisions run position by position: those passes
+    decode the sequence column by column through the Engine (teacher forcing), the only way to
+    compute that function; without a coda the readout is per token and the pass is parallel.
     """
     policy = resolve_policy(policy)
     R = _budget(model, policy, rounds)
@@ -237,21 +250,22 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
     if T > model.cfg.context:
         raise ValueError(f"sequence of {T} tokens exceeds the model context {model.cfg.context}")
     device = idx.device
+    ctl = ExitController(policy, R, B * T, prefill=prefill, may_exit=may_exit, device=device)
     rope_full = model.rope(0, T)
     e = model.encode(idx, rope_full)                                   # (B, T, d), prelude runs once
     s = model.initial_state(e, generator)                              # (B, T, d)
-    kv = CopyForwardKV(B, T, device)
-    reads = _read_rounds(policy, R, prefill)
-    use_gate = policy.kind == "quantile"
+    if model.cfg.n_coda and ctl.read_rounds - {R}:
+        return _column_by_column(model, idx, s, ctl, missing, prefill)
+    kv = SequenceKV(B, T, device, missing)
+    use_gate = ctl.needs_hazard
 
-    active = torch.ones(B, T, dtype=torch.bool, device=device)
     computed = torch.zeros(B, T, R, dtype=torch.bool, device=device)
     read_out = torch.zeros(B, T, R, dtype=torch.bool, device=device)
     hazards = torch.full((B, T, R), math.nan, device=device) if use_gate else None
-    latest: Tensor | None = None                                       # (B, T, V) latest readout per token
     rows_computed, rounds_run = 0, 0
 
     for r in range(1, R + 1):
+        active = ctl.active.view(B, T)
         n_active = int(active.sum())
         if n_active == 0:
             break
@@ -264,48 +278,66 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
             rope = model.rope(0, lay.shape[1], lay.rows)
             s_in = lay.take(s)
             e_in = e if model.cfg.injection == "none" else lay.take(e)  # e is unused without injection
-        kv.select(lay)
+        kv.select(lay, active)
         rows_computed += B * T if lay is None else lay.shape[0] * lay.shape[1]
         s_new = model.core_step(s_in, e_in, r, rope, kv)                # (B', W, d)
         computed[..., r - 1] = active
+        s = s_new if lay is None else lay.put(s, s_new)
+        # the tokens that ran round r, flat, in the order of their real query slots
+        ids = None if lay is None else lay.seq * T + lay.pos            # (N,)
 
-        def full_to_active(x: Tensor) -> Tensor:                       # (B, T, ...) -> (B', W, ...)
-            return x if lay is None else lay.take(x)
+        def real(x: Tensor) -> Tensor:                                 # (B', W, ...) -> (N, ...)
+            return x.flatten(0, 1) if lay is None else x[lay.bi, lay.ai]
 
-        def active_to_full(full: Tensor, x: Tensor) -> Tensor:       # write (B', W, ...) into (B, T, ...)
-            return x if lay is None else lay.put(full, x)
-
-        s = active_to_full(s, s_new)
-        hz = logits = prev = None
+        h = lg = None
         if use_gate:
             h = model.hazard(s_new)                                    # (B', W)
-            hazards[..., r - 1] = active_to_full(hazards[..., r - 1], h)
-            hz = full_to_active(hazards[..., :r])                      # (B', W, r)
-        if r in reads:
-            logits = model.readout(s_new, rope, kv, r)                 # (B', W, V)
+            hazards[..., r - 1] = h if lay is None else lay.put(hazards[..., r - 1], h)
+            h = real(h)
+        if ctl.needs_readout(r):
+            # no coda here (or every token active): each token's readout reads only itself
+            lg = real(model.readout(s_new, rope))                      # (N, V)
             read_out[..., r - 1] = active
-            if latest is not None and policy.kind == "kl":
-                prev = full_to_active(latest)                          # every active token read out at r-1
-            if latest is None and lay is not None:
-                latest = logits.new_zeros(B, T, logits.shape[-1])
-            latest = active_to_full(latest, logits)
-        if r < R and policy.kind in ("entropy", "kl") and logits is None:
-            continue                                                   # no decision possible this round
-        stop = should_exit(policy, r, R, hazards_so_far=hz, logits=logits, prev_logits=prev, prefill=prefill)
-        stop = stop.expand(s_new.shape[:2])
-        if may_exit is not None and r < R:
-            stop = stop & full_to_active(may_exit)
-        active = active & ~stop if lay is None else lay.put(active, ~stop)
+        ctl.decide(r, ids, hazard=h, logits=lg)
         # Every token still active at R has run its last round; the loop ends after R.
 
     rounds_used = computed.sum(-1)                                     # (B, T)
-    if policy.kind in ("entropy", "kl"):
-        assert latest is not None
-        logits = latest
+    if ctl.read_rounds:
+        logits = ctl.logits.view(B, T, -1)                             # each token's exit-round readout
     else:
         logits = model.readout(s, rope_full)                           # one readout on every exit state
     return AdaptiveOutput(logits=logits, rounds=rounds_run, rounds_used=rounds_used, hazards=hazards, state=s,
                           cache=kv, computed=computed, read_out=read_out, rows_computed=rows_computed, policy=policy)
+
+
+def _column_by_column(model, idx: Tensor, s0: Tensor, ctl: ExitController, missing: str,
+                      prefill: bool) -> AdaptiveOutput:
+    """early_exit for readout-deciding policies on a model with a coda: the sequence decoded
+    one column at a time through the Engine's cached chunks (teacher forcing), with the initial
+    states s0 (B, T, d) the whole-sequence pass drew. state and hazards are not recorded."""
+    from .generation import Engine, GenerationConfig
+
+    policy, R = ctl.policy, ctl.rounds
+    B, T = idx.shape
+    engine = Engine(model, None, GenerationConfig(rounds=R, exit=str(policy), min_rounds=policy.min_rounds,
+                                                  exit_in_prefill=policy.exit_in_prefill, missing=missing))
+    noise = s0 if model.cfg.init_state == "random" else None           # position-indexed, as the engine's table
+    cache = engine.new_cache(B, T)
+    may = None if ctl.may_exit is None else ctl.may_exit.view(B, T)
+    logits, used = [], []
+    with torch.inference_mode():
+        for c in range(T):
+            lg, u = engine.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill" if prefill else "decode",
+                                     noise=noise, may_exit=None if may is None else may[:, c])
+            logits.append(lg)                                           # (B, V)
+            used.append(torch.full((B,), u) if isinstance(u, int) else u)
+    rounds_used = torch.stack(used, 1).to(idx.device)                  # (B, T)
+    rounds = torch.arange(1, R + 1, device=idx.device)
+    computed = rounds <= rounds_used.unsqueeze(-1)                     # (B, T, R)
+    reads = torch.tensor([r in ctl.read_rounds for r in range(1, R + 1)], device=idx.device)
+    return AdaptiveOutput(logits=torch.stack(logits, 1).clone(), rounds=int(rounds_used.max()),
+                          rounds_used=rounds_used, hazards=None, state=None, cache=cache, computed=computed,
+                          read_out=computed & reads, rows_computed=int(rounds_used.sum()), policy=policy)
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,7 +350,7 @@ def _seeded(count: int) -> torch.Generator:
 
 @torch.no_grad()
 def evaluate_exit(model, batches: Iterable[tuple[Tensor, Tensor]], policy: str | ExitPolicy,
-                  rounds: int | None = None, repeats: int = 1) -> dict[str, Any]:
+                  rounds: int | None = None, repeats: int = 1, missing: str = "copy_forward") -> dict[str, Any]:
     """Loss of `policy` on `batches` with its measured cost: {"policy", "loss", "ppl", "mean_rounds",
     "max_rounds", "wall_time_s", "rounds_histogram", "rows_computed"}. wall_time_s times the
     early-exit forward passes only (loss arithmetic excluded), summed over batches; with
@@ -334,7 +366,7 @@ def evaluate_exit(model, batches: Iterable[tuple[Tensor, Tensor]], policy: str |
     for x, y, *rest in batches:
         mask = rest[0] if rest and isinstance(rest[0], Tensor) else None   # task data: answer tokens only
         t0 = time.perf_counter()
-        out = early_exit(model, x, policy, rounds, generator=_seeded(count))
+        out = early_exit(model, x, policy, rounds, generator=_seeded(count), missing=missing)
         wall += time.perf_counter() - t0
         budget = out.computed.shape[-1]
         loss_sum += token_losses(out.logits, y, mask).sum().item()
@@ -346,20 +378,30 @@ def evaluate_exit(model, batches: Iterable[tuple[Tensor, Tensor]], policy: str |
     if count == 0:
         raise UserError("evaluation data: no batches to evaluate")
     if repeats > 1:
-        walls = [wall]
-        for _ in range(repeats - 1):
-            t0 = time.perf_counter()
-            seen = 0
-            for x, *_ in batches:
-                early_exit(model, x, policy, rounds, generator=_seeded(seen))
-                seen += x.numel()
-            walls.append(time.perf_counter() - t0)
-        wall = statistics.median(walls)
+        wall = time_policies(model, batches, [(policy, rounds)], repeats, missing, first=[wall])[0]
     loss = loss_sum / max(1.0, scored)
     return {"policy": str(policy), "loss": loss, "ppl": math.exp(min(50.0, loss)), "mean_rounds": rounds_sum / count,
             "max_rounds": budget, "wall_time_s": wall,
             "rounds_histogram": {str(r + 1): int(n) for r, n in enumerate(hist.tolist()) if n},
             "rows_computed": rows}
+
+
+@torch.no_grad()
+def time_policies(model, batches: list, policies: list[tuple[str | ExitPolicy, int | None]], repeats: int,
+                  missing: str = "copy_forward", first: list[float] | None = None) -> list[float]:
+    """Median wall time (s) of each (policy, rounds)'s early-exit passes over all `batches`.
+    Within each of the `repeats` passes every policy is timed in turn, so a slow spell of a
+    shared machine slows them all alike instead of one policy's whole measurement; `first`:
+    already measured passes (one per policy) counted among the repeats."""
+    walls = [[w] for w in first] if first is not None else [[] for _ in policies]
+    for _ in range(repeats - len(walls[0])):
+        for i, (pol, R) in enumerate(policies):
+            t0, seen = time.perf_counter(), 0
+            for x, *_ in batches:
+                early_exit(model, x, pol, R, generator=_seeded(seen), missing=missing)
+                seen += x.numel()
+            walls[i].append(time.perf_counter() - t0)
+    return [statistics.median(w) for w in walls]
 
 
 def _add_hist(hist: Tensor, rounds_used: Tensor, R: int) -> Tensor:
@@ -460,7 +502,8 @@ def sweep_markdown(kind: str, rows: list[dict[str, Any]], reference: list[dict[s
     lines = [f"Exit policy `{kind}` swept over thresholds on the same validation batches. "
              "*Mean rounds used* is measured: the rounds each token actually ran (rounds after its exit "
              "are not computed). *Wall time* is the measured time of the early-exit forward passes "
-             f"(median of {TIMING_REPEATS} passes; fixed depths run through the same early-exit code).", ""]
+             f"(median of {TIMING_REPEATS} passes, every policy and fixed depth timed in turn within each pass; "
+             "fixed depths run through the same early-exit code).", ""]
     if distribution_depth is not None:
         lines += [f"- exit-distribution mean depth (E[t] under the gate's masses at full depth "
                   f"{full['max_rounds']}): **{distribution_depth:.2f}** rounds — a statistic of the "
@@ -500,7 +543,8 @@ def plot_sweep(path, kind: str, rows: list[dict[str, Any]], reference: list[dict
 
 
 TIMING_REPEATS = 3
-"""`looplm eval --exit/--exit-sweep` report the median wall time of this many passes per policy."""
+"""`looplm eval --exit/--exit-sweep` report the median wall time of this many passes per policy,
+the policies (and the fixed depths beside them) timed in turn within each pass (`time_policies`)."""
 
 
 def cli_policy(text: str, recipe) -> ExitPolicy:
@@ -529,8 +573,11 @@ def exit_eval(run, batches: list, policy: str | None = None, sweep: str | None =
     if policy is not None:
         pol = cli_policy(policy, recipe)
         budget = pol.value if pol.kind == "fixed" else R
-        row = evaluate_exit(model, batches, pol, budget, repeats=TIMING_REPEATS)
-        full = evaluate_exit(model, batches, f"fixed:{budget}", budget, repeats=TIMING_REPEATS)
+        row = evaluate_exit(model, batches, pol, budget)
+        full = evaluate_exit(model, batches, f"fixed:{budget}", budget)
+        row["wall_time_s"], full["wall_time_s"] = time_policies(
+            model, batches, [(pol, budget), (f"fixed:{budget}", budget)], TIMING_REPEATS,
+            first=[row["wall_time_s"], full["wall_time_s"]])
         row["exit_distribution_mean_rounds"] = dist
         row["full_depth"] = {"rounds": budget, "loss": full["loss"], "wall_time_s": full["wall_time_s"]}
         result["exit"] = row
@@ -539,8 +586,14 @@ def exit_eval(run, batches: list, policy: str | None = None, sweep: str | None =
                      f"{dist_text}), wall {row['wall_time_s']:.3f} s (full depth {full['wall_time_s']:.3f} s)")
     if sweep is not None:
         kind, thresholds = parse_sweep(sweep)
-        rows = exit_sweep(model, batches, kind, R, thresholds, recipe.exit.min_rounds, repeats=TIMING_REPEATS)
-        reference = fixed_reference(model, batches, R, repeats=TIMING_REPEATS)
+        rows = exit_sweep(model, batches, kind, R, thresholds, recipe.exit.min_rounds)
+        reference = fixed_reference(model, batches, R)
+        timed = rows + reference               # every pass of the sweep and the fixed depths, interleaved
+        policies = ([(parse_exit_policy(r["policy"], min_rounds=recipe.exit.min_rounds), R) for r in rows]
+                    + [(r["policy"], r["max_rounds"]) for r in reference])              # as each was evaluated
+        walls = time_policies(model, batches, policies, TIMING_REPEATS, first=[r["wall_time_s"] for r in timed])
+        for r, w in zip(timed, walls):
+            r["wall_time_s"] = w
         result.update({"sweep": rows, "sweep_kind": kind, "fixed_reference": reference,
                        "exit_distribution_mean_rounds": dist})
         full = reference[-1]

@@ -70,7 +70,7 @@ class DecodeBatch:
 
     def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
                  length: int | None = None, capacity: int | None = None, prefill_chunk: int | None = None):
-        engine._kernels()
+        engine.kernels()
         self.engine, self.deltas = engine, deltas
         ref = next(engine.model.parameters())
         n, P = len(ids), max(len(p) for p in ids)
@@ -84,7 +84,7 @@ class DecodeBatch:
         self.idx, pad = left_padded(ids, ref.device, rows=B)                  # (n, P), (B,)
         self.cache = engine.new_cache(B, length or need, pad)
         self.plist = list(plist) + [SamplingParams(max_new_tokens=1)] * (B - n)    # free rows: placeholders
-        self.noise = engine._noise(self.plist, ref)                            # (B, context, d) or None
+        self.noise = engine.initial_noise(self.plist, ref)                            # (B, context, d) or None
         self.sampler = Sampler(self.plist, list(ids) + [[]] * (B - n), engine.cfg.vocab_size, ref.device)
         self.texts = [RowText(engine.tokenizer, sp.stop, deltas) for sp in self.plist]
         self.eos = getattr(engine.tokenizer, "eos_id", None)
@@ -138,7 +138,7 @@ class DecodeBatch:
         prefill chunk it is only placed here (no events): the next steps prefill it, and its first
         token comes with the step that runs its last columns."""
         e = self.engine
-        (ids,), (sp,) = e._prepare([prompt], params)
+        (ids,), (sp,) = e.prepare([prompt], params)
         free = [b for b in range(self.B) if self.done[b] and b not in self.joining]
         if not self.started or self.finished or not free:
             return None

@@ -38,17 +38,22 @@ Mixture-of-Recursions plugs in at the same place: its recursion-wise caching is 
 recursion keeps its own entries, tokens routed out leave holes handled as above) and its
 recursive sharing is `first` (the first recursion's entries serve every later one).
 
-The protocol with the model: `begin(start, T, phase, rows)` before a chunk (the rows it holds,
+The seam with the model is `KVCache` (a typing.Protocol): the model's attention calls
+`update(slot, k, v) -> (k_all, v_all, mask)` and nothing else; `LoopKVCache` here (the
+decoder's) and `adaptive.SequenceKV` (whole-sequence early exit) implement it. The chunk
+protocol of `LoopKVCache` on top: `begin(start, T, phase, rows)` before a chunk (the rows it holds,
 default all: finished rows are left out, and a new prompt can take a finished row's place after
 `set_pad`), the model's attention calls `update(slot, k, v) -> (k_all, v_all, mask)`,
 `select(rows)` restricts the following updates to a subset of rows (rows that exited stop
 computing), and `commit(rounds_used)` closes the chunk (copy-forward or depth bookkeeping,
-first/average reduction) for the chunk's rows only.
+first/average reduction) for the chunk's rows only. `truncate(filled)` rolls back (speculative
+decoding): the columns from `filled` on hold entries of tokens that were rejected, and a chunk
+that would read them before they are written again is refused (`begin` raises).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -59,6 +64,23 @@ POLICIES = ("full", "first", "last", "average")
 MISSING = ("copy_forward", "mask")
 
 
+@runtime_checkable
+class KVCache(Protocol):
+    """What a looped model's attention needs from a key/value cache (`Attention.forward` in
+    model.py and `Kernels.attn` call exactly this).
+
+    slot: ("prelude", 0, i), ("core", r, i) or ("coda", r, i): block i of that stack at round
+    r. k, v: (B', Hkv, T, Dh), the keys/values the block computed for its T queries (RoPE
+    applied). Returns the keys/values those queries attend to, (B', Hkv, S, Dh) each, and a
+    bool mask broadcastable to (B', H, T, S) (True = may attend), or None for "all of them".
+    The cache decides what earlier positions look like (its policy, the visibility rule for
+    tokens that stopped); the block only attends.
+    """
+
+    def update(self, slot: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        ...
+
+
 def check_policy(policy: str, name: str) -> str:
     if policy not in POLICIES:
         raise UserError(f"{name} {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -66,7 +88,7 @@ def check_policy(policy: str, name: str) -> str:
 
 
 class LoopKVCache:
-    """Preallocated per-round key/value storage for `LoopedLM` (see the module docstring)."""
+    """Preallocated per-round key/value storage for `LoopedLM`, a `KVCache` (see the module docstring)."""
 
     def __init__(self, cfg: Any, *, batch: int, length: int, rounds: int, prefill: str = "full",
                  decode: str = "full", missing: str = "copy_forward", pad: Tensor | None = None,
@@ -113,6 +135,7 @@ class LoopKVCache:
         self.depth = torch.full((batch, length), rounds, dtype=torch.long, device=device)
         self._holes = False
         self.filled = 0                      # columns committed so far
+        self.written = 0                     # columns [0, written) hold current entries (truncate lowers it)
         self._start, self._T, self._phase = 0, 0, "prefill"
         self._rows: Tensor | slice | None = None
         self._chunk_rows: list[int] | None = None
@@ -136,6 +159,12 @@ class LoopKVCache:
         tokens, of these rows (None = all); other rows' entries are left as they are."""
         if start < 0 or start + T > self.length:
             raise ValueError(f"cache holds {self.length} columns; asked to write {start}..{start + T - 1}")
+        if start > self.written:
+            # its queries would attend to columns written..start-1: entries a truncation gave up
+            # (rejected drafts) or never written; refuse rather than read them
+            raise RuntimeError(f"cache chunk at column {start} would read columns {self.written}..{start - 1}, "
+                               f"which hold no current entries (truncated or never written)")
+        self.written = max(self.written, start + T)
         self._start, self._T, self._phase = start, T, phase
         self._rows = _index(rows)
         self._chunk_rows = None if rows is None else rows.tolist()
@@ -278,10 +307,12 @@ class LoopKVCache:
         return per_round.mean(0)
 
     def truncate(self, filled: int) -> None:
-        """Forget columns from `filled` on (speculative rollback); later chunks overwrite them."""
+        """Forget columns from `filled` on (speculative rollback): no later chunk may read them
+        until a chunk writes them again (`begin` refuses one that starts past `filled`)."""
         if not 0 <= filled <= self.length:
             raise ValueError(f"truncate to {filled} outside 0..{self.length}")
-        self.filled = filled
+        self.filled = min(self.filled, filled)
+        self.written = min(self.written, filled)
 
 
 def _index(rows: Tensor | None) -> Tensor | slice | None:

@@ -38,7 +38,7 @@ def continuation_loss(engine: Engine, batches: list[tuple[torch.Tensor, torch.Te
     for i, (x, y) in enumerate(batches):                                 # x, y: (B, T)
         B, T = x.shape
         h = T // 2
-        noise = engine._noise([SamplingParams(seed=i)] * B, next(engine.model.parameters()))
+        noise = engine.initial_noise([SamplingParams(seed=i)] * B, next(engine.model.parameters()))
         cache = engine.new_cache(B, T)
         core = cache.nbytes()["core"]
         if engine.adaptive and engine.policy.exit_in_prefill:           # prompt tokens may exit: one column at a time

@@ -51,15 +51,6 @@ def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[st
     return {r: {"loss": sums[r] / count, "ppl": math.exp(min(50.0, sums[r] / count))} for r in rounds_list}
 
 
-@torch.no_grad()
-def evaluate_loss(model, batches, rounds: int) -> float:
-    device = model_device(model)
-    losses = [mean_loss(token_losses(model(x.to(device), rounds, generator=torch.Generator().manual_seed(i)).logits,
-                                     y.to(device))).item()
-              for i, (x, y) in enumerate(batches)]
-    return sum(losses) / len(losses)
-
-
 def eval_batches_for(run, data_path: str | None = None, max_batches: int | None = None):
     """Validation batches for a run: its own held-out split, or text from --data tokenized with its tokenizer."""
     from . import data as data_mod

@@ -13,10 +13,13 @@ Rows that have finished (eos, a stop string, their max_new_tokens) are left out 
 and `DecodeBatch.join` (batch.py) places a new prompt in a free row, right-aligned to the running
 rows' column (continuous batching; `Engine.batch` opens one, the server keeps several).
 
-Exit policies (`fixed:R`, `quantile:Q`, `entropy:TAU`, `kl:EPS`, see halting.py) are checked per
-token after every round; a row that exits stops computing (the remaining rows continue as a
-smaller batch), and the rounds each token ran are returned. Tokens that exited early leave holes
-in later rounds' history, which the cache fills by copy-forward or masks, as configured.
+Exit policies (`fixed:R`, `quantile:Q`, `entropy:TAU`, `kl:EPS`) are decided per token after
+every round by `halting.ExitController`, the one controller evaluation (adaptive.py) and
+speculative exit drafts use too; a row that exits stops computing (the remaining rows continue as
+a smaller batch), and the rounds each token ran are returned. Tokens that exited early leave
+holes in later rounds' history, which the cache fills by copy-forward or masks, as configured
+(`missing`); a token's coda entry is its exit-round readout's. `looplm eval --exit` computes
+the same function (tested with a coda).
 
 Random initial loop states (Huginn) are drawn from a per-row table indexed by the token's
 position and seeded by the request seed, so cached, batched and token-by-token decoding all see
@@ -46,7 +49,7 @@ from torch import Tensor
 from .cache import MISSING, LoopKVCache, check_policy
 from .engine import unroll
 from .errors import UserError
-from .halting import ExitPolicy, parse_exit_policy, should_exit
+from .halting import ExitController, ExitPolicy, parse_exit_policy
 from .kernels import Kernels, rope_rows
 from .model import initial_noise_table
 from .sampler import SamplingParams, TokenEvent, is_int, positions_run
@@ -158,7 +161,7 @@ class Engine:
     def stream(self, prompts: Sequence[str | Sequence[int]] | str,
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenEvent]:
         """Yield one TokenEvent per generated token per row, as soon as it is sampled."""
-        ids, plist = self._prepare(prompts, params)
+        ids, plist = self.prepare(prompts, params)
         return _events(self._open(ids, plist, deltas=True))
 
     def batch(self, prompts: Sequence[str | Sequence[int]] | str,
@@ -171,7 +174,7 @@ class Engine:
         `length` cache columns (default: what these prompts need; more leaves room for prompts
         that join later). `prefill_chunk`: prefill at most this many columns per `step()` (those
         steps return no events), so that a server can advance its other batches in between."""
-        ids, plist = self._prepare(prompts, params)
+        ids, plist = self.prepare(prompts, params)
         return self._open(ids, plist, deltas=True, length=length, capacity=capacity, prefill_chunk=prefill_chunk)
 
     def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
@@ -185,7 +188,7 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Generate for every prompt (one batch); one Completion per prompt, in order."""
-        ids, plist = self._prepare(prompts, params)
+        ids, plist = self.prepare(prompts, params)
         events = _events(self._open(ids, plist, deltas=False))
         toks: list[list[int]] = [[] for _ in ids]
         rounds: list[list[int]] = [[] for _ in ids]
@@ -219,7 +222,7 @@ class Engine:
         likeliest tokens' at its position (None for the first token), from this engine's prefill
         of the prompts as one batch (`SamplingParams.prompt_logprobs`; `seeds`: each row's random
         initial state, default 0)."""
-        ids, plist = self._prepare(list(prompts), [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top,
+        ids, plist = self.prepare(list(prompts), [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top,
                                                                   stop_at_eos=False)
                                                    for sd in (seeds or [0] * len(prompts))])
         events = DecodeBatch(self, ids, plist, deltas=False).step()     # batched prefill, even when speculative
@@ -253,7 +256,9 @@ class Engine:
             ids.append(p)
         return ids
 
-    def _prepare(self, prompts: Any, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
+    def prepare(self, prompts: Any, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Checked token ids (`token_ids`) and one SamplingParams per prompt: UserError when a
+        prompt plus its max_new_tokens exceed the context or a logit_bias id is out of range."""
         ids = self.token_ids(prompts)
         params = params or SamplingParams()
         plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
@@ -269,28 +274,46 @@ class Engine:
                                 f"the model context of {ctx} (positions run: prompt + new tokens - 1)")
         return ids, plist
 
-    def _noise(self, plist: Sequence[SamplingParams], ref: Tensor) -> Tensor | None:
-        """(B, context, d) initial loop states by position, one seeded table per row (random init only)."""
+    # -- the chunk API: what DecodeBatch, SpeculativeRun and cache evaluation build on --------
+    #
+    #   engine.kernels()                                  once per generation: fresh fused kernels
+    #   cache = engine.new_cache(B, L, pad)               the per-round KV cache (cache.KVCache)
+    #   noise = engine.initial_noise(params, ref)         per-row initial states by position, or None
+    #   logits, used = engine.run_chunk(idx, start, cache, noise=noise, ...)     one chunk, committed
+    #
+    # `chunk_inputs` is the first half of `run_chunk` (after `cache.begin`: RoPE tables, prelude,
+    # initial state), for callers that run the rounds themselves (speculative verification).
+
+    def initial_noise(self, plist: Sequence[SamplingParams], ref: Tensor) -> Tensor | None:
+        """(B, context, d) initial loop states by position, one table per row seeded by its
+        params' seed (random initial state only; None otherwise). Pass it to `run_chunk`."""
         cfg = self.cfg
         if cfg.init_state != "random":
             return None
         tables = [initial_noise_table(cfg, sp.seed) for sp in plist]
         return torch.stack(tables).to(device=ref.device, dtype=ref.dtype)
 
-    # -- one chunk through the model ------------------------------------------------------
     def run_chunk(self, idx: Tensor, start: int, cache: LoopKVCache, *, phase: str = "decode",
                   rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,
                   commit: bool = True, rows: Tensor | None = None,
-                  trace: list[tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor | int]:
-        """Run tokens idx (B, T) at cache columns [start, start+T). Returns (logits, rounds_used):
-        logits (B, T, V) with all_logits else (B, V) at the last column; rounds_used an int, or (B,)
-        when an exit policy decided per row. `rounds` forces a fixed depth (speculative drafts).
-        `rows`: the cache rows idx's rows belong to (default all; finished rows are left out).
-        `trace` (fixed depth): gets (prelude output, state after the last round), both (B, T, d)."""
-        k = self._fast or self._kernels()
+                  trace: list[tuple[Tensor, Tensor]] | None = None,
+                  may_exit: Tensor | None = None) -> tuple[Tensor, Tensor | int]:
+        """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`).
+
+        Returns (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at the last
+        column; rounds_used an int, or (B,) when the exit policy decided per row (decode chunks
+        of one column; prefill ones too with exit_in_prefill). `phase`: "prefill" for prompt
+        tokens (the prefill cache policy, and no exits unless the policy allows them) or
+        "decode". `rounds` forces a fixed depth (speculative drafts). `noise`: the rows' initial
+        states from `initial_noise`. `commit=False` leaves the chunk open (a draft that
+        verification overwrites). `rows`: the cache rows idx's rows belong to (default all;
+        finished rows are left out). `trace` (fixed depth): gets (prelude output, state after
+        the last round), both (B, T, d). `may_exit` (B,) bool: only these rows may exit early
+        (the others run every round; evaluation of task answers)."""
+        k = self._fast or self.kernels()
         T = idx.shape[1]
         cache.begin(start, T, phase, rows)
-        rope, e, s = self._chunk_inputs(idx, start, cache, noise, rows)
+        rope, e, s = self.chunk_inputs(idx, start, cache, noise, rows)
         exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
         if not exits:
             R = rounds or self.rounds
@@ -303,15 +326,18 @@ class Engine:
             return logits, R
         if T != 1:
             raise ValueError("per-token exits run one column at a time")
-        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows)    # (cache rows, ...)
+        if may_exit is not None and rows is not None:          # the controller counts cache rows
+            may_exit = torch.ones(cache.batch, dtype=torch.bool, device=may_exit.device).index_put((rows,), may_exit)
+        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows, may_exit)    # (cache rows, ...)
         if commit:
             cache.commit(used)
         return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
 
-    def _chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
-                      rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
-        """After cache.begin: the chunk's RoPE tables, prelude output e and initial state, (B, T, d)."""
-        m, k = self.model, self._fast or self._kernels()
+    def chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
+                     rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
+        """After `cache.begin(start, T, phase, rows)`: the chunk's RoPE tables, prelude output e
+        and initial state s, (B, T, d) each (the prelude writes its cache entries)."""
+        m, k = self.model, self._fast or self.kernels()
         B, T = idx.shape
         positions = None
         if cache.chunk_padded:                     # these rows have pad columns: positions per row
@@ -327,53 +353,47 @@ class Engine:
             s = m.initial_state(e)
         return rope, e, s
 
-    def _kernels(self) -> "Kernels":
-        """The fused kernels, rebuilt when a model weight changed in place since they were made
-        (checked when a generation starts, not per token)."""
+    def kernels(self) -> "Kernels":
+        """The fused kernels the chunks run on, rebuilt when a model weight changed in place since
+        they were made. Call it when a generation starts: chunks reuse them without the check."""
         if self._fast is None or self._fast.stale():
             self._fast = Kernels(self.model)
         return self._fast
 
     def _rounds_with_exits(self, s: Tensor, e: Tensor, rope: Any, cache: LoopKVCache, phase: str,
-                           rows: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Run up to R rounds for one column; each row stops at its policy's exit round. s holds
+                           rows: Tensor | None, may_exit: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Run up to R rounds for one column; each row stops where `ExitController` says. s holds
         the cache rows `rows` (None = all); the results are indexed by cache row: logits
-        (cache.batch, V) and rounds used (cache.batch,), R for rows that did not run."""
-        m, k, policy, R = self.model, self._fast or self._kernels(), self.policy, self.rounds
+        (cache.batch, V) and rounds used (cache.batch,), R for rows that did not run.
+
+        A row's coda entry in the cache is its exit-round readout's (the coda slot is one per
+        block, the last write wins), which is what later tokens' codas read: entropy/kl rows
+        are read out at the controller's read rounds, the last being their exit round; fixed and
+        quantile rows are read out once, at their exit round."""
+        m, k, policy, R = self.model, self._fast or self.kernels(), self.policy, self.rounds
         n = cache.batch
         if rows is None:
             rows = torch.arange(n, device=s.device)     # cache rows still computing
-        used = torch.full((n,), R, dtype=torch.long)
+        ctl = ExitController(policy, R, n, prefill=phase == "prefill", may_exit=may_exit, device=s.device)
         out = torch.zeros(n, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
-        need_logits = policy.kind in ("entropy", "kl")
-        prev: Tensor | None = None
-        hazards: Tensor | None = None
         for r in range(1, R + 1):
             s = k.core_step(s, e, r, rope, cache)
-            logits = k.readout(s, rope, cache, r, False) if need_logits else None         # (B', V)
-            if policy.kind == "quantile":
-                h = m.hazard(s)[:, -1:]                                               # (B', 1)
-                hazards = h if hazards is None else torch.cat([hazards, h], dim=-1)
-            stop = should_exit(policy, r, R, hazards_so_far=hazards, logits=logits, prev_logits=prev,
-                               prefill=phase == "prefill").reshape(-1).expand(rows.shape[0])
+            logits = k.readout(s, rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
+            hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                     # (B',)
+            stop = ctl.decide(r, rows, hazard=hazard, logits=logits)                      # (B',)
             if bool(stop.any()):
                 done = rows[stop]
                 if logits is None:  # the exiting rows read out now (their coda entry is this round's)
                     cache.select(done)
                     out[done] = k.readout(s[stop], rope_rows(rope, stop), cache, r, False)
-                else:
-                    out[done] = logits[stop]
-                used[done.cpu()] = r
                 keep = ~stop
                 if not bool(keep.any()):
                     break
                 rows, s, e, rope = rows[keep], s[keep], e[keep], rope_rows(rope, keep)
-                prev = None if logits is None else logits[keep]
-                hazards = None if hazards is None else hazards[keep]
                 cache.select(rows)
-            else:
-                prev = logits
-        return out, used
+        if ctl.read_rounds:
+            out = ctl.logits                                    # each row's exit-round readout
+        return out, ctl.exit_round.cpu()
 
 def _events(run: "DecodeBatch | SpeculativeRun") -> Iterator[TokenEvent]:
     """A batch's events, step after step, until it finishes."""

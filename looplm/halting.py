@@ -21,7 +21,8 @@ What lives here:
   - learned_exit_loss / learned_exit_terms               Σ p_t L_t  + entropy (Ouro) or KL (PonderNet)
   - act_mixture                                          ACT's Σ p_t y_t mixture of states/outputs
   - stage2_gate_loss                                     Ouro Stage II gate training (BCE on improvement)
-  - ExitPolicy / parse_exit_policy / should_exit         inference-time "stop now?" decisions
+  - ExitPolicy / parse_exit_policy                      inference-time exit policies
+  - ExitController / first_exit_round                   the one "stop now?" decision and its per-token state
 
 Errors: bad *user* settings (a policy string, beta, prior name, ...) raise
 `looplm.errors.UserError`; tensors of the wrong shape are programming errors and raise ValueError.
@@ -404,59 +405,105 @@ def successive_kl(logits: torch.Tensor, prev_logits: torch.Tensor) -> torch.Tens
     return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(dim=-1).clamp_min(0)
 
 
-def should_exit(
-    policy: ExitPolicy,
-    t: int,
-    T: int,
-    *,
-    hazards_so_far: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
-    prev_logits: torch.Tensor | None = None,
-    prefill: bool = False,
-) -> torch.Tensor:
-    """Bool tensor "exit now" per token, given what is known after round t (1-based) of max T.
+class ExitController:
+    """The one early-exit decision: the per-token stop state of one pass of up to R rounds.
 
-    hazards_so_far: (..., >=t) gate outputs for rounds 1..t (needed by "quantile").
-    logits:         (..., V) this round's readout (needed by "entropy" and "kl").
-    prev_logits:    (..., V) last round's readout ("kl"; may be None at t = 1).
-    prefill:        True while processing the prompt; then only exits early if
-                    policy.exit_in_prefill, otherwise runs all T rounds.
+    Evaluation (adaptive.early_exit, every token of a sequence), decoding (the Engine, one
+    column of every running row), speculative exit drafts and the server all decide through
+    this class, so a policy means the same thing everywhere. Tokens are numbered 0..N-1 by the
+    caller (flat (B*T) positions in evaluation, cache rows in decoding); after round r the
+    caller passes the tokens that ran it (`ids`, in the order of its rows) with what the policy
+    reads, and gets back which of them stop:
 
-    The result has the leading shape (...) of whichever tensor was given, or is 0-dim when none
-    was (a "fixed" policy needs none). Order of rules: t >= T always exits; t < min_rounds never
-    does; otherwise the policy decides.
+        ctl = ExitController(policy, R, N)
+        for r in 1..R:   run round r for ctl.active tokens
+                         stop = ctl.decide(r, ids, hazard=..., logits=...)   # (M,) bool
+
+    What it keeps between rounds, per token: the survival S_r = prod (1 - lambda) for quantile
+    (the same sequential product `exit_cdf` takes), the latest readout (the previous round's
+    distribution for kl, and each token's exit logits for entropy/kl), which tokens are still
+    active and the round each stopped at. The rules, in order: round R always stops; before
+    `min_rounds`, during a prefill the policy does not open to exits, or for a token outside
+    `may_exit`, nothing stops; otherwise the policy decides. Mixture-of-Recursions routers plug
+    in here: a router is another rule for "which of these tokens continue after round r".
     """
-    if not (isinstance(T, int) and T >= 1 and isinstance(t, int) and 1 <= t <= T):
-        raise ValueError(f"should_exit: need integers 1 <= t <= T, got t={t!r}, T={T!r}")
-    if hazards_so_far is not None:
-        ref = hazards_so_far[..., 0]
-    elif logits is not None:
-        ref = logits[..., 0]
-    else:
-        ref = torch.zeros(())
-    yes = torch.ones(ref.shape, dtype=torch.bool, device=ref.device)
-    if t >= T:
-        return yes
-    no = ~yes
-    if t < policy.min_rounds or (prefill and not policy.exit_in_prefill):
-        return no
 
-    if policy.kind == "fixed":
-        return yes if t >= policy.value else no
-    if policy.kind == "quantile":
-        if hazards_so_far is None or hazards_so_far.shape[-1] < t:
-            raise ValueError(f"should_exit: quantile policy needs hazards_so_far with >= {t} rounds")
-        # not exit_cdf: round t is not the last allowed round here, so no forced mass
-        cdf_t = 1.0 - _survival(hazards_so_far[..., :t])[..., -1]    # (...)
-        return cdf_t >= policy.value
-    if logits is None:
-        raise ValueError(f"should_exit: {policy.kind} policy needs this round's logits")
-    if policy.kind == "entropy":
-        return token_entropy(logits) < policy.value
-    # kl: nothing to compare against at round 1
-    if t == 1 or prev_logits is None:
-        return no
-    return successive_kl(logits, prev_logits) < policy.value
+    def __init__(self, policy: "ExitPolicy", rounds: int, n: int, *, prefill: bool = False,
+                 may_exit: torch.Tensor | None = None, device: torch.device | str | None = None):
+        if not (isinstance(rounds, int) and rounds >= 1):
+            raise ValueError(f"ExitController: rounds must be an integer >= 1, got {rounds!r}")
+        self.policy, self.rounds, self.n = policy, rounds, n
+        self.active = torch.ones(n, dtype=torch.bool, device=device)                # (N,)
+        self.exit_round = torch.full((n,), rounds, dtype=torch.long, device=device)  # (N,) valid once stopped
+        self.may_exit = None if may_exit is None else may_exit.reshape(-1).to(device=device, dtype=torch.bool)
+        open_ = not prefill or policy.exit_in_prefill
+        decide = set(range(max(1, policy.min_rounds), rounds)) if open_ else set()
+        if policy.kind == "kl":
+            decide.discard(1)                                    # nothing to compare with at round 1
+        self.decide_rounds = frozenset(decide)
+        """Rounds before R after which the policy may stop a token."""
+        reads: set[int] = set()
+        if policy.kind in ("entropy", "kl"):
+            reads = decide | {rounds} | ({r - 1 for r in decide} if policy.kind == "kl" else set())
+        self.read_rounds = frozenset(reads)
+        """Rounds after which active tokens need a readout for the decision (entropy/kl; always R)."""
+        self.needs_hazard = policy.kind == "quantile"
+        """Whether `decide` needs the gate's hazard of every active token each round."""
+        self.survival = torch.ones(n, device=device) if self.needs_hazard else None   # (N,) S_r
+        self.logits: torch.Tensor | None = None                                       # (N, V) latest readout
+        self._read_at = 0                                                             # its round
+
+    def needs_readout(self, r: int) -> bool:
+        """Whether the tokens that run round r must be read out (coda + head) for the decision."""
+        return r in self.read_rounds
+
+    def decide(self, r: int, ids: torch.Tensor | None = None, *, hazard: torch.Tensor | None = None,
+               logits: torch.Tensor | None = None) -> torch.Tensor:
+        """After round r (1-based) of the tokens `ids` (M,) (None: every token, in order), with
+        their hazards (M,) (quantile, every round) and readouts (M, V) (entropy/kl at
+        `read_rounds`): which stop now, (M,) bool. Stopped tokens leave `active`."""
+        if not (isinstance(r, int) and 1 <= r <= self.rounds):
+            raise ValueError(f"ExitController.decide: need an integer 1 <= r <= {self.rounds}, got {r!r}")
+        policy, R = self.policy, self.rounds
+        if ids is None:
+            ids = torch.arange(self.n, device=self.active.device)
+        M = ids.shape[0]
+        if self.needs_hazard:
+            if hazard is None:
+                raise ValueError("ExitController.decide: quantile needs this round's hazards")
+            self.survival[ids] = self.survival[ids] * (1.0 - hazard.reshape(M).clamp(0.0, 1.0).to(self.survival.dtype))
+        prev = None
+        if logits is not None:
+            if self.logits is None:
+                self.logits = logits.new_zeros(self.n, logits.shape[-1])
+            elif policy.kind == "kl" and self._read_at == r - 1:
+                prev = self.logits[ids]                                               # (M, V) round r-1's
+            self.logits[ids] = logits
+            self._read_at = r
+        if r >= R:
+            stop = torch.ones(M, dtype=torch.bool, device=ids.device)
+        elif r not in self.decide_rounds:
+            stop = torch.zeros(M, dtype=torch.bool, device=ids.device)
+        else:
+            if policy.kind == "fixed":
+                stop = torch.full((M,), r >= policy.value, dtype=torch.bool, device=ids.device)
+            elif policy.kind == "quantile":
+                # not exit_cdf: round r is not the last allowed round here, so no forced mass
+                stop = (1.0 - self.survival[ids]) >= policy.value
+            elif logits is None:
+                raise ValueError(f"ExitController.decide: {policy.kind} needs round {r}'s readout")
+            elif policy.kind == "entropy":
+                stop = token_entropy(logits) < policy.value
+            else:
+                stop = successive_kl(logits, prev) < policy.value if prev is not None else \
+                    torch.zeros(M, dtype=torch.bool, device=ids.device)
+            stop = stop.reshape(M)
+            if self.may_exit is not None:
+                stop = stop & self.may_exit[ids]
+        done = ids[stop]
+        self.active[done] = False
+        self.exit_round[done] = r
+        return stop
 
 
 def first_exit_round(
@@ -465,25 +512,27 @@ def first_exit_round(
     *,
     hazards: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
+    prefill: bool = False,
 ) -> torch.Tensor:
-    """Offline version of the inference loop: the 1-based round each token would exit at.
+    """Offline use of the inference decision: the 1-based round each token would exit at.
 
     hazards: (..., T) gates of every round; logits: (..., T, V) every round's readout.
-    Returns a long tensor (...). Useful for evaluation when all rounds have been computed anyway.
+    Returns a long tensor (...) (0-dim when neither is given). Useful for evaluation when all
+    rounds have been computed anyway; the decision is `ExitController`'s.
     """
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"first_exit_round: T must be an integer >= 1, got {T!r}")
-    exit_at: torch.Tensor | None = None                             # (...) long, 0 = not yet
+    lead = hazards.shape[:-1] if hazards is not None else logits.shape[:-2] if logits is not None else ()
+    n = math.prod(lead)
+    ref = hazards if hazards is not None else logits
+    ctl = ExitController(policy, T, n, prefill=prefill, device=None if ref is None else ref.device)
     for t in range(1, T + 1):
-        stop = should_exit(
-            policy, t, T,
-            hazards_so_far=None if hazards is None else hazards[..., :t],
-            logits=None if logits is None else logits[..., t - 1, :],
-            prev_logits=None if logits is None or t == 1 else logits[..., t - 2, :],
-        )
-        if exit_at is None:
-            exit_at = torch.zeros(stop.shape, dtype=torch.long, device=stop.device)
-        # keep the first round that said stop; later rounds never overwrite it
-        exit_at = torch.where((exit_at == 0) & stop, torch.full_like(exit_at, t), exit_at)
-    assert exit_at is not None  # T >= 1, so the loop ran and round T forced every token out
-    return exit_at
+        ids = ctl.active.nonzero().squeeze(1)                                    # (M,)
+        if ids.numel() == 0:
+            break
+        h = None if hazards is None else hazards.reshape(n, T)[ids, t - 1]
+        lg = None
+        if logits is not None and ctl.needs_readout(t):
+            lg = logits.reshape(n, T, logits.shape[-1])[ids, t - 1]
+        ctl.decide(t, ids, hazard=h, logits=lg)
+    return ctl.exit_round.reshape(lead)

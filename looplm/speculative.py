@@ -75,13 +75,13 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
                        deltas: bool) -> Iterator[list[TokenEvent]]:
     """One list of TokenEvents per verification (the accepted drafts and the verifier's token)."""
     assert engine.speculative is not None
-    engine._kernels()
+    engine.kernels()
     draft_rounds, K = engine.speculative
     R, sp, prompt = engine.rounds, plist[0], ids[0]
     dev = next(engine.model.parameters()).device
     P, ctx = len(prompt), engine.cfg.context
     cache = engine.new_cache(1, P + sp.max_new_tokens + K + 1)
-    noise = engine._noise(plist, next(engine.model.parameters()))
+    noise = engine.initial_noise(plist, next(engine.model.parameters()))
     sampler = Sampler(plist, ids, engine.cfg.vocab_size, dev)
     text = RowText(engine.tokenizer, sp.stop, deltas)
     eos = getattr(engine.tokenizer, "eos_id", None) if sp.stop_at_eos else None
@@ -175,10 +175,10 @@ def verify_from_drafts(engine: "Engine", cache: LoopKVCache, col: int, drafts: l
     1..d reading the same history plain decoding reads, so its prelude output and state after
     round d (`trace`) are plain decoding's. Only the last draft's token (column col+K) runs
     those; then rounds d+1..R and the coda run on all K+1 columns as one chunk."""
-    k, R, K = engine._kernels(), engine.rounds, len(drafts)
+    k, R, K = engine.kernels(), engine.rounds, len(drafts)
     last = torch.tensor([[drafts[-1]]], device=trace[0][0].device)
     cache.begin(col + K, 1, "decode")
-    rope1, e1, s1 = engine._chunk_inputs(last, col + K, cache, noise, None)
+    rope1, e1, s1 = engine.chunk_inputs(last, col + K, cache, noise, None)
     s1 = unroll(lambda s, r: k.core_step(s, e1, r, rope1, cache), s1, d).state
     e = torch.cat([t[0] for t in trace] + [e1], 1)                          # (1, K+1, d)
     s = torch.cat([t[1] for t in trace] + [s1], 1)

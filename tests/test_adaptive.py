@@ -29,7 +29,7 @@ from looplm.adaptive import AdaptiveOutput, early_exit, evaluate_exit, parse_swe
 from looplm.cli import main
 from looplm.config import SupervisionConfig
 from looplm.errors import UserError
-from looplm.halting import first_exit_round, hazards_to_masses, parse_exit_policy, should_exit
+from looplm.halting import first_exit_round, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
 from looplm.losses import supervised_loss
 
 from conftest import tiny_recipe
@@ -113,7 +113,7 @@ def test_exited_token_has_no_computation_after_its_exit_round():
 
 
 def test_entropy_readouts_only_while_active():
-    m = tiny_model()
+    m = tiny_model(**{"model.n_coda": 0})        # the parallel pass (with a coda: column by column)
     idx = torch.randint(0, 257, (2, 24))
     probe = m(idx, R, readout_rounds=(1,), generator=gen()).round_logits[1]
     from looplm.halting import token_entropy
@@ -131,47 +131,67 @@ def test_entropy_readouts_only_while_active():
 # against a naive reference: compute everything, keep the active tokens
 
 class NaiveKV:
-    """Every token is computed every round; a stopped token's K/V is replaced by its stored one."""
+    """Every token is computed every round; `active` (B, T) says which tokens ran this round. A
+    stopped token's core K/V is replaced by its stored one (copy_forward) or masked out (mask)."""
 
-    def __init__(self):
+    def __init__(self, missing: str = "copy_forward"):
         self.store: dict = {}
         self.active: torch.Tensor | None = None
+        self.missing = missing
 
     def update(self, slot, k, v):
         kind, _r, i = slot
-        if (kind, i) in self.store:
+        T = k.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        if kind == "core" and (kind, i) in self.store and self.missing == "copy_forward":
             ks, vs = self.store[(kind, i)]
             keep = self.active[:, None, :, None]
             k, v = torch.where(keep, k, ks), torch.where(keep, v, vs)
+        if kind == "core" and self.missing == "mask":
+            mask = (mask & self.active[:, None, None, :]) | torch.eye(T, dtype=torch.bool)    # (B, 1, T, T)
         self.store[(kind, i)] = (k, v)
-        T = k.shape[2]
-        return k, v, torch.ones(T, T, dtype=torch.bool).tril()
+        return k, v, mask
+
+
+def stops(policy, r, rounds, *, cdf=None, logits=None, prev=None):
+    """The exit rule written out by hand: round R always stops, else the policy's threshold."""
+    kind, value = policy.split(":")
+    value = float(value)
+    if r == rounds:
+        return torch.ones((cdf if cdf is not None else logits[..., 0]).shape, dtype=torch.bool)
+    if kind == "quantile":
+        return cdf >= value
+    if kind == "entropy":
+        return token_entropy(logits) < value
+    if r == 1:
+        return torch.zeros(logits.shape[:-1], dtype=torch.bool)
+    return successive_kl(logits, prev) < value
 
 
 @torch.no_grad()
-def naive_early_exit(model, idx, policy, rounds, generator):
-    policy = parse_exit_policy(policy)
+def naive_early_exit(model, idx, policy, rounds, generator, missing="copy_forward"):
+    """Every token every round, the stopped ones frozen; valid where a token's readout reads
+    only itself (no coda) or is taken once from the exit states (quantile)."""
     B, T = idx.shape
     rope = model.rope(0, T)
     e = model.encode(idx, rope)
     s = model.initial_state(e, generator)
-    kv = NaiveKV()
+    kv = NaiveKV(missing)
     active = torch.ones(B, T, dtype=torch.bool)
     used = torch.zeros(B, T, dtype=torch.long)
-    hazards, latest, prev = [], None, None
-    per_round = policy.kind in ("entropy", "kl")
+    surv, latest, prev = torch.ones(B, T), None, None
+    per_round = not policy.startswith("quantile")
     for r in range(1, rounds + 1):
         kv.active = active
         s = torch.where(active.unsqueeze(-1), model.core_step(s, e, r, rope, kv), s)
         used += active
         logits = None
         if per_round:
-            logits = model.readout(s, rope, kv, r)
+            logits = model.readout(s, rope)
             latest = logits if latest is None else torch.where(active.unsqueeze(-1), logits, latest)
         if model.gate is not None:
-            hazards.append(model.hazard(s))
-        stop = should_exit(policy, r, rounds, hazards_so_far=torch.stack(hazards, -1) if hazards else None,
-                           logits=logits, prev_logits=prev)
+            surv = torch.where(active, surv * (1 - model.hazard(s)), surv)
+        stop = stops(policy, r, rounds, cdf=1 - surv, logits=logits, prev=prev)
         prev = logits
         active = active & ~stop
         if not active.any():
@@ -179,36 +199,119 @@ def naive_early_exit(model, idx, policy, rounds, generator):
     return (latest if per_round else model.readout(s, rope)), used
 
 
+@torch.no_grad()
+def decode_reference(model, idx, policy, rounds, missing):
+    """What a cached decoder computes, recomputed from scratch for each position t: the prefix
+    0..t runs every round with the earlier tokens active exactly up to the rounds they exited at
+    (frozen after, seen by the visibility rule), and token t's readout at round r is the coda
+    over the earlier tokens' exit states followed by its own round-r state, i.e. the coda K/V a
+    decoder's cache holds for them. O(T^2 R) forward passes; initial state "prelude"."""
+    B, T = idx.shape
+    exit_round = torch.full((B, T), rounds, dtype=torch.long)
+    exit_state = torch.zeros(B, T, model.cfg.d_model)
+    logits_out = torch.zeros(B, T, model.cfg.vocab_size)
+    for t in range(T):
+        n = t + 1
+        rope = model.rope(0, n)
+        e = model.encode(idx[:, :n], rope)
+        s = model.initial_state(e)
+        kv = NaiveKV(missing)
+        running = torch.ones(B, dtype=torch.bool)                      # token t, per row
+        surv, prev = torch.ones(B), None
+        for r in range(1, rounds + 1):
+            act = torch.arange(1, rounds + 1)[r - 1] <= exit_round[:, :n]    # (B, n) earlier tokens
+            act[:, t] = running
+            kv.active = act
+            s = torch.where(act.unsqueeze(-1), model.core_step(s, e, r, rope, kv), s)
+            seen = torch.cat([exit_state[:, :t], s[:, t:n]], 1)         # earlier tokens at their exits
+            lg = model.readout(seen, rope)[:, t]                        # (B, V)
+            if model.gate is not None:
+                surv = surv * (1 - model.hazard(s)[:, t])
+            stop = running & stops(policy, r, rounds, cdf=1 - surv, logits=lg, prev=prev)
+            exit_round[stop, t] = r
+            exit_state[stop, t] = s[stop, t]
+            logits_out[stop, t] = lg[stop]
+            running = running & ~stop
+            prev = lg
+            if not running.any():
+                break
+    return logits_out, exit_round
+
+
+def probe_policy(m, idx, kind):
+    """A threshold at the median of the model's own round-1 entropies / round-2 KLs: some tokens exit."""
+    probe = m(idx, R, readout_rounds=(1, 2), generator=gen())
+    if kind == "quantile":
+        return "quantile:0.5"
+    if kind == "entropy":
+        return f"entropy:{token_entropy(probe.round_logits[1]).median().item()}"
+    return f"kl:{successive_kl(probe.round_logits[2], probe.round_logits[1]).median().item()}"
+
+
+@pytest.mark.parametrize("missing", ["copy_forward", "mask"])
 @pytest.mark.parametrize("layout", ["row-per-sequence", "chunked"])
 @pytest.mark.parametrize("kind", ["quantile", "entropy", "kl"])
-def test_gathered_pass_equals_naive_reference(kind, layout, monkeypatch):
+def test_gathered_pass_equals_naive_reference(kind, layout, missing, monkeypatch):
+    """The parallel whole-sequence pass (quantile with a coda; entropy/kl without one) against
+    computing every token every round and keeping the active ones."""
     import looplm.adaptive as adaptive
     if layout == "chunked":   # pack active tokens into rows of 4: sequences span several rows
         monkeypatch.setattr(adaptive, "CHUNK_WIDTHS", (4,))
         monkeypatch.setattr(adaptive, "ROW_OVERHEAD", 0)
     else:
         monkeypatch.setattr(adaptive, "CHUNK_WIDTHS", ())
-    m = tiny_model()
+    m = tiny_model(**({} if kind == "quantile" else {"model.n_coda": 0}))
     spread_gate(m)
     idx = torch.randint(0, 257, (3, 28))
     batch_rows: list[int] = []
     hook = m.core[0].register_forward_pre_hook(lambda mod, args: batch_rows.append(args[0].shape[0]))
-    probe = m(idx, R, readout_rounds=(1, 2), generator=gen())
-    from looplm.halting import successive_kl, token_entropy
-    if kind == "quantile":
-        policy = "quantile:0.5"
-    elif kind == "entropy":
-        policy = f"entropy:{token_entropy(probe.round_logits[1]).median().item()}"
-    else:
-        policy = f"kl:{successive_kl(probe.round_logits[2], probe.round_logits[1]).median().item()}"
-    ref_logits, ref_used = naive_early_exit(m, idx, policy, R, gen())
-    out = early_exit(m, idx, policy, R, generator=gen())
+    policy = probe_policy(m, idx, kind)
+    ref_logits, ref_used = naive_early_exit(m, idx, policy, R, gen(), missing)
+    out = early_exit(m, idx, policy, R, generator=gen(), missing=missing)
     hook.remove()
     assert ref_used.min() < R, "the policy should stop some tokens early"
     assert (max(batch_rows) > idx.shape[0]) == (layout == "chunked")
     assert torch.equal(out.rounds_used, ref_used)
     torch.testing.assert_close(out.logits, ref_logits, rtol=0, atol=1e-5)
     assert out.rows_computed < idx.numel() * R
+
+
+@pytest.mark.parametrize("missing", ["copy_forward", "mask"])
+@pytest.mark.parametrize("kind", ["quantile", "entropy", "kl"])
+def test_eval_exit_equals_token_by_token_decoding_with_a_coda(kind, missing):
+    """`looplm eval --exit P` (evaluate_exit / early_exit) and the Engine decoding the same tokens
+    one at a time under P (its public chunk API, as DecodeBatch does) give the same rounds per
+    token and the same losses on a model with a coda, and both equal the from-scratch decode
+    reference above."""
+    from looplm.generation import Engine, GenerationConfig
+    m = tiny_model(**{"model.init_state": "prelude"})
+    spread_gate(m)
+    x = torch.randint(0, 257, (2, 14))
+    y = torch.randint(0, 257, (2, 14))
+    policy = probe_policy(m, x, kind)
+    ref_logits, ref_used = decode_reference(m, x, policy, R, missing)
+    assert ref_used.min() < R and ref_used.max() > 1, "the policy should give a mix of exit rounds"
+
+    out = early_exit(m, x, policy, R, missing=missing)
+    assert torch.equal(out.rounds_used, ref_used)
+    torch.testing.assert_close(out.logits, ref_logits, rtol=0, atol=1e-5)
+    row = evaluate_exit(m, [(x, y)], policy, R, missing=missing)
+
+    engine = Engine(m, None, GenerationConfig(exit=policy, rounds=R, missing=missing))
+    engine.kernels()
+    cache = engine.new_cache(2, 14)
+    logits, used = [], []
+    with torch.inference_mode():
+        for c in range(14):
+            lg, u = engine.run_chunk(x[:, c:c + 1], c, cache)             # decode chunks of one column
+            logits.append(lg)
+            used.append(u)
+    dec_logits, dec_used = torch.stack(logits, 1), torch.stack(used, 1)
+    assert torch.equal(dec_used, ref_used)
+    torch.testing.assert_close(dec_logits, ref_logits, rtol=0, atol=1e-5)
+    dec_loss = torch.nn.functional.cross_entropy(dec_logits.flatten(0, 1), y.flatten()).item()
+    assert math.isclose(row["loss"], dec_loss, rel_tol=1e-5)
+    assert row["mean_rounds"] == pytest.approx(dec_used.float().mean().item())
 
 
 @pytest.mark.parametrize("kind", ["quantile", "entropy", "kl"])

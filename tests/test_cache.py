@@ -77,7 +77,7 @@ def test_prefill_then_decode_equals_token_by_token_with_random_initial_state():
     eng = Engine(model, None, GenerationConfig())
     idx = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(3))
     from looplm.generation import SamplingParams
-    noise = eng._noise([SamplingParams(seed=5)] * 2, next(model.parameters()))
+    noise = eng.initial_noise([SamplingParams(seed=5)] * 2, next(model.parameters()))
     with torch.inference_mode():
         c1 = eng.new_cache(2, 20)
         whole, _ = eng.run_chunk(idx, 0, c1, phase="prefill", noise=noise, all_logits=True)
@@ -240,7 +240,7 @@ def test_cached_decode_with_per_thread_weight_slices_equals_forward(threads):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        ops, a = Engine(model, None, GenerationConfig())._kernels(), model.core[0].attn
+        ops, a = Engine(model, None, GenerationConfig()).kernels(), model.core[0].attn
         qkv_rows = ops.table[(id(a.q.weight), id(a.k.weight), id(a.v.weight))][0]
         assert qkv_rows.shape[0] == threads and qkv_rows.dim() == 3        # the split layout is in use
         ref = model(idx, 3).logits
@@ -264,6 +264,7 @@ def test_a_chunk_of_some_rows_leaves_the_other_rows_alone(policy, missing, used)
     for part in (cache.k_prelude, cache.v_prelude, cache.k_core, cache.v_core, cache.k_coda, cache.v_coda):
         part.copy_(torch.randn(part.shape, generator=g))
     cache.depth[:, :4] = torch.tensor([[1, 3, 2, 3]] * B)
+    cache.written = 4                                # columns 0..3 hold (hand-written) entries
     before = {name: t.clone() for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
     row = torch.tensor([1])
     H, Dh = cfg.n_kv_heads, cfg.head_dim
@@ -283,3 +284,42 @@ def test_a_chunk_of_some_rows_leaves_the_other_rows_alone(policy, missing, used)
         elif name.endswith(("_prelude", "_coda")):
             assert torch.equal(now[:, [0, 2]], old[:, [0, 2]]), name
     assert bool((cache.k_core[:, :, 1, :, 2:4] != before["k_core"][:, :, 1, :, 2:4]).any())   # row 1 was written
+
+
+def test_caches_implement_the_protocol_the_model_calls():
+    from looplm.adaptive import SequenceKV
+    from looplm.cache import KVCache
+    model = tiny()
+    assert isinstance(Engine(model, None, GenerationConfig()).new_cache(1, 4), KVCache)
+    assert isinstance(SequenceKV(1, 4), KVCache)
+    assert not isinstance(object(), KVCache)
+
+
+def test_a_speculative_rollback_never_reads_the_rejected_entries():
+    """Prefill, three uncommitted 1-round drafts, a full-depth verification of the pending token
+    and the drafts, then a rollback that keeps one draft (truncate). A chunk that starts past the
+    truncation would attend to the rejected draft's column, whose entries are stale: the cache
+    refuses it. The chunk at the truncation point is exact: it equals plain decoding of the
+    tokens that were kept."""
+    model = tiny()
+    eng = Engine(model, None, GenerationConfig())
+    idx = torch.randint(0, 257, (1, 12), generator=torch.Generator().manual_seed(4))
+    P = 8
+    kept = idx[:, :P + 2]                       # the prompt, the pending token and one accepted draft
+    with torch.inference_mode():
+        cache = eng.new_cache(1, 16)
+        eng.run_chunk(idx[:, :P], 0, cache, phase="prefill")
+        for j in range(3):                                            # drafts at P..P+2, not committed
+            eng.run_chunk(idx[:, P + j:P + j + 1] + 1, P + j, cache, rounds=1, commit=False)
+        eng.run_chunk(idx[:, P:P + 4] + 1, P, cache, all_logits=True)  # verification writes P..P+3
+        cache.truncate(P + 2)                                         # keep columns ..P+1 (edit them in)
+        eng.run_chunk(kept[:, P:P + 2], P, cache, all_logits=True)     # the accepted tokens' real entries
+        with pytest.raises(RuntimeError, match="truncated or never written"):
+            eng.run_chunk(idx[:, P + 3:P + 4], P + 3, cache)           # would read column P+2 (rejected)
+        nxt = torch.tensor([[7]])
+        got, _ = eng.run_chunk(nxt, P + 2, cache)
+        fresh = eng.new_cache(1, 16)
+        eng.run_chunk(kept, 0, fresh, phase="prefill")
+        want, _ = eng.run_chunk(nxt, P + 2, fresh)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert cache.filled == P + 3

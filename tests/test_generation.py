@@ -636,7 +636,7 @@ def test_verification_reusing_the_drafts_rounds_equals_a_full_depth_chunk(model,
     eng = Engine(model, TOK, GenerationConfig(rounds=4))
     prompt = torch.tensor([TOK.encode("The loop runs")])
     P, K = prompt.shape[1], 3
-    noise = eng._noise([SamplingParams(seed=5)], next(model.parameters()))
+    noise = eng.initial_noise([SamplingParams(seed=5)], next(model.parameters()))
     cache = eng.new_cache(1, P + K + 1)
     with torch.inference_mode():
         eng.run_chunk(prompt, 0, cache, phase="prefill", noise=noise)
@@ -962,11 +962,11 @@ def test_onednn_keeps_a_bounded_number_of_primitives():
 def test_a_new_thread_count_rebuilds_the_kernels():
     m = tiny()
     eng = Engine(m, TOK, GenerationConfig())
-    k = eng._kernels()
+    k = eng.kernels()
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert k.stale() and eng._kernels() is not k
+        assert k.stale() and eng.kernels() is not k
     finally:
         torch.set_num_threads(before)
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from looplm.errors import UserError
 from looplm.halting import (
+    ExitController,
     ExitPolicy,
     LearnedExitTerms,
     act_mixture,
@@ -27,7 +28,6 @@ from looplm.halting import (
     learned_exit_terms,
     masses_to_hazards,
     parse_exit_policy,
-    should_exit,
     stage2_gate_loss,
     successive_kl,
     token_entropy,
@@ -323,25 +323,34 @@ def test_bad_min_rounds() -> None:
 
 
 def _exit_rounds(policy: ExitPolicy, T: int, **per_round: torch.Tensor) -> list[int]:
-    """Drive should_exit round by round like the inference loop; first round that says stop."""
+    """Drive ExitController round by round like the inference loop: each round only the tokens
+    still active are passed, with their hazard, and their readout where it asks for one."""
     hazards, logits = per_round.get("hazards"), per_round.get("logits")
-    first: list[int] | None = None
+    ref = hazards if hazards is not None else logits
+    n = ref.shape[0]
+    ctl = ExitController(policy, T, n)
     for t in range(1, T + 1):
-        stop = should_exit(
-            policy, t, T,
-            hazards_so_far=None if hazards is None else hazards[..., :t],
-            logits=None if logits is None else logits[..., t - 1, :],
-            prev_logits=None if logits is None or t == 1 else logits[..., t - 2, :],
-        ).tolist()
-        first = [0] * len(stop) if first is None else first
-        first = [f if f else (t if s else 0) for f, s in zip(first, stop)]
-    assert first is not None
-    return first
+        ids = ctl.active.nonzero().squeeze(1)
+        if ids.numel() == 0:
+            break
+        stop = ctl.decide(t, ids, hazard=None if hazards is None else hazards[ids, t - 1],
+                          logits=logits[ids, t - 1] if logits is not None and ctl.needs_readout(t) else None)
+        assert stop.shape == ids.shape
+    assert not ctl.active.any()
+    return ctl.exit_round.tolist()
+
+
+def _stops_at(policy: ExitPolicy, t: int, T: int, prefill: bool = False) -> bool:
+    """Whether a fixed policy stops a token at round t, rounds 1..t-1 having said no."""
+    ctl = ExitController(policy, T, 1, prefill=prefill)
+    for r in range(1, t):
+        assert not ctl.decide(r).item()
+    return bool(ctl.decide(t).item())
 
 
 def test_fixed_policy() -> None:
-    assert should_exit(ExitPolicy("fixed", 2), 1, 4).item() is False
-    assert should_exit(ExitPolicy("fixed", 2), 2, 4).item() is True
+    assert _stops_at(ExitPolicy("fixed", 2), 1, 4) is False
+    assert _stops_at(ExitPolicy("fixed", 2), 2, 4) is True
     assert first_exit_round(ExitPolicy("fixed", 2), 4).item() == 2
     # R beyond the model's depth: forced out at the last allowed round
     assert first_exit_round(ExitPolicy("fixed", 10), 4).item() == 4
@@ -404,7 +413,8 @@ def test_kl_policy_stops_where_successive_kl_crosses_eps() -> None:
     assert _exit_rounds(ExitPolicy("kl", eps), 5, logits=logits) == [4]
     # never at round 1, even with identical logits everywhere and a huge EPS
     same = torch.zeros(1, 3, 4)
-    assert should_exit(ExitPolicy("kl", 100.0), 1, 3, logits=same[:, 0]).tolist() == [False]
+    ctl = ExitController(ExitPolicy("kl", 100.0), 3, 1)
+    assert ctl.needs_readout(1) and ctl.decide(1, logits=same[:, 0]).tolist() == [False]
     assert first_exit_round(ExitPolicy("kl", 100.0), 3, logits=same).tolist() == [2]
 
 
@@ -417,10 +427,38 @@ def test_min_rounds_and_forced_last_round() -> None:
     # min_rounds beyond T: the last allowed round still exits
     assert first_exit_round(ExitPolicy("fixed", 1, min_rounds=9), 4).item() == 4
     # at t = T everything exits whatever the policy says
-    assert should_exit(ExitPolicy("quantile", 1.0), 4, 4, hazards_so_far=torch.zeros(2, 4)).tolist() == [True, True]
+    assert _exit_rounds(ExitPolicy("quantile", 1.0), 4, hazards=torch.zeros(2, 4)) == [4, 4]
 
 
 def test_prefill_runs_all_rounds_unless_allowed() -> None:
-    assert should_exit(ExitPolicy("fixed", 1), 1, 4, prefill=True).item() is False
-    assert should_exit(ExitPolicy("fixed", 1), 4, 4, prefill=True).item() is True
-    assert should_exit(ExitPolicy("fixed", 1, exit_in_prefill=True), 1, 4, prefill=True).item() is True
+    assert _stops_at(ExitPolicy("fixed", 1), 1, 4, prefill=True) is False
+    assert _stops_at(ExitPolicy("fixed", 1), 4, 4, prefill=True) is True
+    assert _stops_at(ExitPolicy("fixed", 1, exit_in_prefill=True), 1, 4, prefill=True) is True
+    # entropy in a closed prefill reads out only once, at the last round
+    assert ExitController(ExitPolicy("entropy", 9.0), 4, 1, prefill=True).read_rounds == {4}
+
+
+def test_controller_state_across_rounds() -> None:
+    """The state the controller carries: the running survival (quantile), only the tokens
+    passed are updated, may_exit holds the others to the last round, kl compares with the
+    previous round's readout of the same token, and it asks for readouts only where they decide."""
+    # quantile: token 0 gets hazards 0.5, 0.5 -> CDF 0.5, 0.75; token 1 gets 0.2, 0.2 -> 0.2, 0.36
+    ctl = ExitController(ExitPolicy("quantile", 0.7), 4, 3, may_exit=torch.tensor([True, True, False]))
+    assert ctl.needs_hazard and not ctl.read_rounds
+    assert ctl.decide(1, torch.tensor([0, 1, 2]), hazard=torch.tensor([0.5, 0.2, 0.99])).tolist() == [False, False, False]
+    assert ctl.decide(2, torch.tensor([1, 0, 2]), hazard=torch.tensor([0.2, 0.5, 0.99])).tolist() == [False, True, False]
+    torch.testing.assert_close(ctl.survival, torch.tensor([0.25, 0.64, 0.01 * 0.01]))
+    assert ctl.active.tolist() == [False, True, True] and ctl.exit_round[0].item() == 2
+    # token 2 (CDF 0.9999) may not exit; round 4 forces both remaining ones out
+    assert ctl.decide(3, torch.tensor([1, 2]), hazard=torch.tensor([0.6, 0.5])).tolist() == [True, False]  # 0.744
+    assert ctl.decide(4, torch.tensor([2]), hazard=torch.tensor([0.5])).tolist() == [True]
+    assert ctl.exit_round.tolist() == [2, 3, 4]
+    # kl with min_rounds 3 of 5: decisions at 3, 4; readouts at 2, 3, 4 (the round before each) and 5
+    kl = ExitController(ExitPolicy("kl", 1e-3, min_rounds=3), 5, 2)
+    assert kl.decide_rounds == {3, 4} and kl.read_rounds == {2, 3, 4, 5}
+    a, b = _peaked_logits([1.0])[0], _peaked_logits([3.0])[0]                   # (1, V) each
+    assert not kl.needs_readout(1) and kl.decide(1).tolist() == [False, False]
+    kl.decide(2, logits=torch.cat([a, a]))
+    # round 3: token 0 repeats its round-2 distribution (KL 0), token 1 moves (KL > EPS)
+    assert kl.decide(3, logits=torch.cat([a, b])).tolist() == [True, False]
+    torch.testing.assert_close(kl.logits, torch.cat([a, b]))                    # the exit readouts
