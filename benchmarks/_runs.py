@@ -17,8 +17,8 @@ import httpx
 import torch
 
 import looplm
-from looplm.checkpoint import save_checkpoint, write_text
-from looplm.tokenizer import ByteTokenizer
+from looplm.runs.checkpoint import save_checkpoint, write_text
+from looplm.data.tokenizer import ByteTokenizer
 
 
 def untrained_run(folder: Path, recipe: str = "quickstart") -> Path:
@@ -35,7 +35,7 @@ def trained_run(recipe: str, overrides: dict, prefix: str, log: Callable[..., No
                 ) -> tuple[str, tempfile.TemporaryDirectory]:
     """The recipe trained into a temp folder (its path, and the folder: gone when that is cleaned
     up or collected)."""
-    from looplm.train import train
+    from looplm.train.trainer import train
 
     tmp = tempfile.TemporaryDirectory(prefix=prefix)
     path = str(Path(tmp.name) / recipe)

@@ -1,6 +1,6 @@
 """Decode benchmark on bench-s with peers in the same run: `python benchmarks/bench_decode.py [--json]`.
 
-The same as `looplm bench decode`; see looplm/bench.py for what is measured and how.
+The same as `looplm bench decode`; see looplm/bench/decode.py for what is measured and how.
 """
 
 import sys

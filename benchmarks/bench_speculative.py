@@ -30,8 +30,8 @@ import torch
 from _runs import trained_run
 
 import looplm
-from looplm.evaluate import eval_batches_for
-from looplm.generation import Engine, SamplingParams
+from looplm.evaluation.rounds import eval_batches_for
+from looplm.inference.engine import Engine, SamplingParams
 
 SETTINGS = [("plain", {}), ("1:2", {"speculative": "1:2"}), ("1:4", {"speculative": "1:4"}),
             ("1:8", {"speculative": "1:8"}), ("2:4", {"speculative": "2:4"}),

@@ -1,6 +1,6 @@
 """Training benchmark on bench-s with peers in the same run: `python benchmarks/bench_train.py [--json]`.
 
-The same as `looplm bench train`; see looplm/bench_train.py for what is measured and how.
+The same as `looplm bench train`; see looplm/bench/train.py for what is measured and how.
 """
 
 import sys

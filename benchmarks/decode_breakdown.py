@@ -23,11 +23,11 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-import looplm.kernels as kernels
-from looplm.bench import BENCH_S, _prompts
-from looplm.config import load_recipe
-from looplm.generation import Engine, GenerationConfig, SamplingParams
-from looplm.model import build_model
+import looplm.inference.kernels as kernels
+from looplm.bench.decode import BENCH_S, _prompts
+from looplm.recipe.config import load_recipe
+from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
+from looplm.model.looped import build_model
 
 
 class _Stubs:

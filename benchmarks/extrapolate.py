@@ -19,9 +19,9 @@ import resource
 import sys
 import time
 
-from looplm.config import load_recipe, parse_override
-from looplm.experiment import run_extrapolate
-from looplm.taskdata import markdown_table
+from looplm.recipe.config import load_recipe, parse_override
+from looplm.experiments.extrapolate import run_extrapolate
+from looplm.evaluation.tasks import markdown_table
 
 
 def main() -> int:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from looplm.bench import bench_decode, decode_lines
-from looplm.bench_train import bench_train, train_lines
-from looplm.config import load_recipe
-from looplm.train import train
+from looplm.bench.decode import bench_decode, decode_lines
+from looplm.bench.train import bench_train, train_lines
+from looplm.recipe.config import load_recipe
+from looplm.train.trainer import train
 
 
 def short_training(device: str, precision: str, steps: int, out: Path) -> dict:

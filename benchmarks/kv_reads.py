@@ -25,10 +25,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from looplm.bench import BENCH_S, PROMPT_LEN, _prompts
-from looplm.config import load_recipe
-from looplm.generation import Engine, GenerationConfig, SamplingParams
-from looplm.model import build_model
+from looplm.bench.decode import BENCH_S, PROMPT_LEN, _prompts
+from looplm.recipe.config import load_recipe
+from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
+from looplm.model.looped import build_model
 
 
 def step_times(engine: Engine, batch: int, new_tokens: int, runs: int, vocab: int) -> list[float]:

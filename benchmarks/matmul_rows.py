@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from looplm.kernels import PACKED_MIN_MACS, packed_weight, row_weight
+from looplm.inference.kernels import PACKED_MIN_MACS, packed_weight, row_weight
 
 # (out, in) of each bench-s matrix and how often a decode step uses it
 SHAPES = {"qkv": ((768, 256), 8), "out": ((256, 256), 8), "gate/up": ((1408, 256), 8),

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from looplm.bench import BENCH_S
-from looplm.config import load_recipe
-from looplm.generation import Engine, SamplingParams
-from looplm.model import build_model
+from looplm.bench.decode import BENCH_S
+from looplm.recipe.config import load_recipe
+from looplm.inference.engine import Engine, SamplingParams
+from looplm.model.looped import build_model
 from looplm.serve import Scheduler, ServeLimits, _Row
 
 

@@ -37,7 +37,7 @@ import httpx
 from _runs import server, untrained_run
 
 import looplm
-from looplm.generation import Engine, SamplingParams
+from looplm.inference.engine import Engine, SamplingParams
 
 
 def request(i: int, context: int) -> tuple[dict, bool]:

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from looplm.bench import BENCH_S
-from looplm.config import load_recipe
-from looplm.generation import Engine, SamplingParams
-from looplm.model import build_model
+from looplm.bench.decode import BENCH_S
+from looplm.recipe.config import load_recipe
+from looplm.inference.engine import Engine, SamplingParams
+from looplm.model.looped import build_model
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import random
 from pathlib import Path
 
 import looplm
-from looplm.data import open_tokens
+from looplm.data.text import open_tokens
 
 TASK = """task: looplm_next_bytes
 dataset_path: json

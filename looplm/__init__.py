@@ -9,12 +9,12 @@ The public API:
     looplm.Engine.from_run(run).generate(["def f("], looplm.SamplingParams(max_new_tokens=16))
 """
 
-from .checkpoint import Run, load_run
-from .config import Recipe, load_recipe
-from .engine import Unrolled, unroll
+from .runs.checkpoint import Run, load_run
+from .recipe.config import Recipe, load_recipe
+from .model.recurrence import Unrolled, unroll
 from .errors import UserError
-from .generation import Engine, GenerationConfig, SamplingParams
-from .model import LoopedLM, LoopOutput, build_model
+from .inference.engine import Engine, GenerationConfig, SamplingParams
+from .model.looped import LoopedLM, LoopOutput, build_model
 
 __all__ = ["Engine", "GenerationConfig", "Recipe", "Run", "LoopOutput", "LoopedLM", "SamplingParams", "Unrolled",
            "UserError", "build_model", "load_recipe", "load_run", "unroll"]

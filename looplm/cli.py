@@ -17,7 +17,7 @@ from .errors import UserError
 
 
 def _overrides(pairs: list[str] | None) -> dict[str, Any]:
-    from .config import parse_override
+    from .recipe.config import parse_override
     return dict(parse_override(p) for p in pairs or [])
 
 
@@ -36,11 +36,11 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_recipe
-    from .train import train
+    from .recipe.config import load_recipe
+    from .train.trainer import train
 
     if args.stage2:  # Ouro stage II: RUN's recipe and weights, only the exit gate trains
-        from .train import stage2_recipe
+        from .train.trainer import stage2_recipe
         if args.recipe:
             raise UserError("--stage2 RUN takes its recipe from RUN; change fields with --set, not --recipe")
         recipe = stage2_recipe(args.stage2, _overrides(args.set))
@@ -57,9 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .checkpoint import load_run
-    from .evaluate import evaluate_rounds, eval_rounds_list
-    from .evaluate import eval_batches_for
+    from .runs.checkpoint import load_run
+    from .evaluation.rounds import evaluate_rounds, eval_rounds_list
+    from .evaluation.rounds import eval_batches_for
 
     run = load_run(args.run, device=args.device)
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
@@ -74,13 +74,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
-        from .adaptive import exit_eval
+        from .evaluation.early_exit import exit_eval
         extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,
                                        data_label=args.data or "the run's validation split")
         result.update(extra)
         lines += extra_lines
     if args.cache_sweep:  # what each prefill/decode cache policy costs in held-out loss
-        from .cache_eval import cache_sweep
+        from .evaluation.cache_policies import cache_sweep
         extra, extra_lines = cache_sweep(run, batches, args.exit)
         result.update(extra)
         lines += extra_lines
@@ -93,7 +93,8 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
     or with --data every line of another JSONL file; scored as the trainer's report scores them."""
     import math
 
-    from .taskdata import TaskSource, eval_file_sets, markdown_table, score_task_sets
+    from .data.taskdata import TaskSource, eval_file_sets
+    from .evaluation.tasks import markdown_table, score_task_sets
     recipe = run.recipe
     sets = eval_file_sets(args.data, recipe) if args.data else TaskSource(recipe).eval_sets(recipe.data.eval_examples)
     examples = [ex for exs in sets.values() for ex in exs]
@@ -109,9 +110,9 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
              for r, v in result["rounds"].items()]
     lines += [f"exact match (%) by difficulty x rounds on {result['data']} ({len(examples)} examples):",
               markdown_table({d: {r: v["accuracy"] for r, v in row.items()} for d, row in scores["by_difficulty"].items()})]
-    from .adaptive import cli_policy
+    from .evaluation.early_exit import cli_policy
     if args.exit:  # accuracy vs rounds used, by difficulty, under a per-token exit policy
-        from .taskdata import evaluate_examples_exit
+        from .evaluation.tasks import evaluate_examples_exit
         policy = cli_policy(args.exit, recipe)
         budget = int(policy.value) if policy.kind == "fixed" else max(rounds)
         by_level = {str(d): evaluate_examples_exit(run.model, run.tokenizer, exs, policy, budget,
@@ -124,8 +125,9 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
         lines += [f"  difficulty {d}: accuracy {100 * v['accuracy']:.1f}%, mean rounds {v['mean_rounds']:.2f} "
                   f"(first token {v['mean_rounds_first_token']:.2f})" for d, v in by_level.items()]
     if args.exit_sweep:  # accuracy vs rounds used over one policy kind's thresholds
-        from .adaptive import default_thresholds, parse_sweep
-        from .taskdata import encode_examples, evaluate_examples_exit
+        from .evaluation.early_exit import default_thresholds, parse_sweep
+        from .data.taskdata import encode_examples
+        from .evaluation.tasks import evaluate_examples_exit
         kind, thresholds = parse_sweep(args.exit_sweep)
         budget = max(rounds)
         if thresholds is None:
@@ -162,8 +164,8 @@ def _device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .checkpoint import load_run
-    from .generation import generate_for_run
+    from .runs.checkpoint import load_run
+    from .inference.engine import generate_for_run
 
     options: dict[str, Any] = dict(
         exit=args.exit, prefill_cache=args.prefill_cache, decode_cache=args.decode_cache, missing=args.missing_kv,
@@ -171,14 +173,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), stop=args.stop,
         logprobs=args.logprobs)
-    if args.no_cache:  # the slow reference: recompute the whole sequence for every token (sampling.py)
-        from .sampling import generate_text
+    if args.no_cache:  # the slow reference: recompute the whole sequence for every token (inference/reference.py)
+        from .inference.reference import generate_text
         defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
                         top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                         logit_bias={}, stop=[], logprobs=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
-            from .halting import parse_exit_policy
+            from .halting.hazards import parse_exit_policy
             rounds, options["exit"] = int(parse_exit_policy(args.exit).value), None
         given = [k for k, v in options.items() if v != defaults[k]]
         if given:
@@ -223,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from .bench import bench_decode, decode_lines
+    from .bench.decode import bench_decode, decode_lines
 
     result = bench_decode(runs=args.runs, threads=args.threads, new_tokens=args.new_tokens, quick=args.quick,
                           peers=not args.no_peers, device=args.device)
@@ -232,7 +234,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
-    from .bench_train import bench_train, train_lines
+    from .bench.train import bench_train, train_lines
 
     result = bench_train(runs=args.runs, steps=args.steps, threads=args.threads, quick=args.quick,
                          peers=not args.no_peers, compile=args.compile, device=args.device)
@@ -241,8 +243,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .checkpoint import load_run
-    from .checks import FAIL, NOT_APPLICABLE, PASS, run_checks
+    from .runs.checkpoint import load_run
+    from .evaluation.checks import FAIL, NOT_APPLICABLE, PASS, run_checks
 
     results = run_checks(load_run(args.run, device=args.device))
     label = {PASS: "PASS", FAIL: "FAIL", NOT_APPLICABLE: "N/A "}
@@ -255,22 +257,22 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from .config import builtin_recipes
+    from .recipe.config import builtin_recipes
     for name, line in builtin_recipes().items():
         print(f"{name:16s} {line}")
     return 0
 
 
 def cmd_recipe_show(args: argparse.Namespace) -> int:
-    from .config import load_recipe
+    from .recipe.config import load_recipe
     recipe = load_recipe(args.name, _overrides(args.set))
     print(json.dumps(recipe.to_dict()) if args.json else recipe.to_toml(), end="" if not args.json else "\n")
     return 0
 
 
 def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
-    from .config import load_recipe
-    from .experiment import QUICK_OVERRIDES, run_extrapolate, summary_lines
+    from .recipe.config import load_recipe
+    from .experiments.extrapolate import QUICK_OVERRIDES, run_extrapolate, summary_lines
 
     recipe = load_recipe(args.recipe, {**(QUICK_OVERRIDES if args.quick else {}), **_overrides(args.set)})
     out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -69,9 +69,9 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from .errors import UserError
-from .generation import Engine, SamplingParams
-from .sampler import positions_run
-from .tokenizer import EOS_TOKEN, encode_with_eos
+from .inference.engine import Engine, SamplingParams
+from .inference.sampler import positions_run
+from .data.tokenizer import EOS_TOKEN, encode_with_eos
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -608,7 +608,7 @@ def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: Se
 
     import uvicorn
 
-    from .checkpoint import load_run
+    from .runs.checkpoint import load_run
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must lie in 0..65535")

@@ -10,7 +10,7 @@ when the tables lived in README.md.) tests/test_recipe_cli.py fails when the fil
 
 from pathlib import Path
 
-from looplm.config import field_docs
+from looplm.recipe.config import field_docs
 
 START, END = "<!-- recipe-fields:start -->", "<!-- recipe-fields:end -->"
 PATH = Path(__file__).parent.parent / "docs" / "recipe.md"

@@ -1,4 +1,4 @@
-"""Per-token early exit (looplm/adaptive.py) against independent computations.
+"""Per-token early exit (looplm/evaluation/early_exit.py) against independent computations.
 
 - thresholds that never trigger give the plain full-depth forward, for every policy;
 - a token that exits at round r has nothing computed for rounds > r (the K/V writes, the rows
@@ -25,12 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import looplm
-from looplm.adaptive import AdaptiveOutput, early_exit, evaluate_exit, parse_sweep
+from looplm.evaluation.early_exit import AdaptiveOutput, early_exit, evaluate_exit, parse_sweep
 from looplm.cli import main
-from looplm.config import SupervisionConfig
+from looplm.recipe.config import SupervisionConfig
 from looplm.errors import UserError
 from looplm.halting import first_exit_round, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
-from looplm.losses import supervised_loss
+from looplm.model.losses import supervised_loss
 
 from conftest import tiny_recipe
 
@@ -254,7 +254,7 @@ def probe_policy(m, idx, kind):
 def test_gathered_pass_equals_naive_reference(kind, layout, missing, monkeypatch):
     """The parallel whole-sequence pass (quantile with a coda; entropy/kl without one) against
     computing every token every round and keeping the active ones."""
-    import looplm.adaptive as adaptive
+    import looplm.evaluation.early_exit as adaptive
     if layout == "chunked":   # pack active tokens into rows of 4: sequences span several rows
         monkeypatch.setattr(adaptive, "CHUNK_WIDTHS", (4,))
         monkeypatch.setattr(adaptive, "ROW_OVERHEAD", 0)
@@ -283,7 +283,7 @@ def test_eval_exit_equals_token_by_token_decoding_with_a_coda(kind, missing):
     one at a time under P (its public chunk API, as DecodeBatch does) give the same rounds per
     token and the same losses on a model with a coda, and both equal the from-scratch decode
     reference above."""
-    from looplm.generation import Engine, GenerationConfig
+    from looplm.inference.engine import Engine, GenerationConfig
     m = tiny_model(**{"model.init_state": "prelude"})
     spread_gate(m)
     x = torch.randint(0, 257, (2, 14))
@@ -389,7 +389,7 @@ def test_evaluate_exit_fixed_matches_full_loss():
     m = tiny_model()
     batches = [(torch.randint(0, 257, (2, 16)), torch.randint(0, 257, (2, 16))) for _ in range(2)]
     row = evaluate_exit(m, batches, f"fixed:{R}", R)
-    from looplm.evaluate import evaluate_rounds
+    from looplm.evaluation.rounds import evaluate_rounds
     assert row["mean_rounds"] == R and row["rounds_histogram"] == {str(R): 64}
     assert math.isclose(row["loss"], evaluate_rounds(m, batches, [R])[R]["loss"], rel_tol=1e-6)
     assert row["wall_time_s"] > 0
@@ -438,7 +438,7 @@ def test_masses_from_the_model_sum_to_one_and_learned_exit_runs():
 
 @pytest.fixture(scope="module")
 def gated_run(tmp_path_factory):
-    from looplm.train import train
+    from looplm.train.trainer import train
     root = tmp_path_factory.mktemp("adaptive")
     corpus = root / "corpus"
     corpus.mkdir()
@@ -493,7 +493,7 @@ def test_eval_exit_bad_input_exits_2(gated_run, capsys, args, needle):
 def test_query_layout_covers_each_active_token_once(rows, widths, overhead):
     """Whatever the width, every active token gets exactly one real query slot, in its own
     sequence, and padding per sequence stays below the row width."""
-    import looplm.adaptive as adaptive
+    import looplm.evaluation.early_exit as adaptive
     active = torch.tensor(rows)
     if not active.any():
         return

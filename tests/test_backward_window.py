@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from looplm.config import ModelConfig, SupervisionConfig
-from looplm.losses import placement, supervised_loss
-from looplm.model import LoopedLM
-from looplm.train import train
+from looplm.recipe.config import ModelConfig, SupervisionConfig
+from looplm.model.losses import placement, supervised_loss
+from looplm.model.looped import LoopedLM
+from looplm.train.trainer import train
 
 from conftest import tiny_recipe
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from looplm.bench_train import flops_per_token
+from looplm.bench.train import flops_per_token
 from looplm.cli import main
 
 

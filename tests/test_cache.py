@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import looplm
-from looplm.cache import LoopKVCache
+from looplm.inference.cache import LoopKVCache
 from looplm.errors import UserError
-from looplm.generation import Engine, GenerationConfig
+from looplm.inference.engine import Engine, GenerationConfig
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 48,
         "model.init_state": "prelude", "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
@@ -49,7 +49,7 @@ VARIANTS = {
 def test_full_cache_equals_full_forward_at_every_round_count(variant, packed_from, monkeypatch):
     """packed_from=0: every several-row product (the prompt, the two rows) goes through oneDNN's
     packed weights, which these small matrices otherwise skip (kernels.PACKED_MIN_MACS)."""
-    import looplm.kernels as kernels
+    import looplm.inference.kernels as kernels
     if packed_from is not None:
         if kernels.packed_weight(torch.randn(4, 4)) is None:
             pytest.skip("oneDNN packed weights are unavailable here")
@@ -76,7 +76,7 @@ def test_prefill_then_decode_equals_token_by_token_with_random_initial_state():
     model = tiny(**{"model.init_state": "random"})
     eng = Engine(model, None, GenerationConfig())
     idx = torch.randint(0, 257, (2, 20), generator=torch.Generator().manual_seed(3))
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
     noise = eng.initial_noise([SamplingParams(seed=5)] * 2, next(model.parameters()))
     with torch.inference_mode():
         c1 = eng.new_cache(2, 20)
@@ -287,8 +287,8 @@ def test_a_chunk_of_some_rows_leaves_the_other_rows_alone(policy, missing, used)
 
 
 def test_caches_implement_the_protocol_the_model_calls():
-    from looplm.adaptive import SequenceKV
-    from looplm.cache import KVCache
+    from looplm.evaluation.early_exit import SequenceKV
+    from looplm.inference.cache import KVCache
     model = tiny()
     assert isinstance(Engine(model, None, GenerationConfig()).new_cache(1, 4), KVCache)
     assert isinstance(SequenceKV(1, 4), KVCache)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import looplm
-from looplm.cache_eval import SWEEP, continuation_loss, forward_loss
+from looplm.evaluation.cache_policies import SWEEP, continuation_loss, forward_loss
 from looplm.cli import main
-from looplm.generation import Engine, GenerationConfig
+from looplm.inference.engine import Engine, GenerationConfig
 
 from conftest import tiny_recipe
 
@@ -38,7 +38,7 @@ def test_full_cache_continuation_loss_is_the_forward_pass(init):
     for i, (x, y) in enumerate(batches):
         init_state = None
         if init == "random":
-            init_state = looplm.model.initial_noise_table(model.cfg, i)[:x.shape[1]].expand(x.shape[0], -1, -1)
+            init_state = looplm.model.looped.initial_noise_table(model.cfg, i)[:x.shape[1]].expand(x.shape[0], -1, -1)
         with torch.no_grad():
             logits = model(x, 3, initial_state=init_state).logits
         h = x.shape[1] // 2
@@ -70,7 +70,7 @@ def test_with_one_round_every_policy_is_the_full_cache():
 
 
 def test_eval_cache_sweep_cli(tmp_path, text_dir, capsys):
-    from looplm.train import train
+    from looplm.train.trainer import train
     train(tiny_recipe(**{"data.path": str(text_dir)}), tmp_path / "run", quiet=True)
     assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--cache-sweep", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)["cache_sweep"]
@@ -85,7 +85,7 @@ def test_eval_cache_sweep_cli(tmp_path, text_dir, capsys):
 
 
 def test_eval_cache_sweep_on_a_task_run_needs_text(tmp_path, capsys):
-    from looplm.train import train
+    from looplm.train.trainer import train
     train(tiny_recipe(**{"data.task": "chain", "data.difficulty_max": 2}), tmp_path / "task", quiet=True)
     assert main(["eval", str(tmp_path / "task"), "--cache-sweep"]) == 2
     assert "--data" in capsys.readouterr().err

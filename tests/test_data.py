@@ -1,4 +1,4 @@
-"""Tests for looplm.tokenizer and looplm.data: tokenizers, corpus reading, token files, sampling."""
+"""Tests for looplm.data.tokenizer and looplm.data.text: tokenizers, corpus reading, token files, sampling."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from looplm.data import (TokenSampler, default_corpus_files, encode_to_memmap, open_tokens,
+from looplm.data.text import (TokenSampler, default_corpus_files, encode_to_memmap, open_tokens,
                          read_documents, split_documents, val_batches)
 from looplm.errors import UserError
-from looplm.tokenizer import (EOS_TOKEN, BPETokenizer, ByteTokenizer, build_tokenizer, encode_with_eos,
+from looplm.data.tokenizer import (EOS_TOKEN, BPETokenizer, ByteTokenizer, build_tokenizer, encode_with_eos,
                               load_tokenizer, train_bpe)
 
 TRICKY = "héllo wörld, 世界 🙂\n\ttabs  and  spaces <|eos|> end"

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from looplm.config import DepthConfig
-from looplm.depth import depth_generator, expected_depth, sample_depth
+from looplm.recipe.config import DepthConfig
+from looplm.train.depth import depth_generator, expected_depth, sample_depth
 
 
 def test_fixed_and_uniform():

@@ -14,7 +14,7 @@ import looplm
 from looplm.cli import main
 from looplm.device import grad_scaler, resolve_device
 from looplm.errors import UserError
-from looplm.train import train
+from looplm.train.trainer import train
 
 from conftest import tiny_recipe
 
@@ -67,7 +67,7 @@ def test_compile_wraps_the_model_from_outside(tmp_path, text_dir, monkeypatch):
     """train.compile routes every training forward through torch.compile (here with a counting backend
     instead of inductor, whose C++ build takes minutes on this machine); the losses equal eager training
     and the saved weights are the plain module's."""
-    import looplm.train as train_mod
+    import looplm.train.trainer as train_mod
     graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -95,7 +95,7 @@ def test_cuda_training_matches_cpu(tmp_path, text_dir):
 
 @CUDA
 def test_cuda_cached_decoding_equals_full_forward(tmp_path, text_dir):
-    from looplm.generation import Engine
+    from looplm.inference.engine import Engine
     train(tiny_recipe(**{"data.path": str(text_dir)}), tmp_path / "run", quiet=True)
     run = looplm.load_run(tmp_path / "run", device="cuda")
     assert next(run.model.parameters()).is_cuda

@@ -11,12 +11,12 @@ import torch
 import looplm
 from looplm.cli import main
 from looplm.errors import UserError
-from looplm.experiment import QUICK_OVERRIDES, baseline_recipes, lstm_hidden_for, lstm_params
-from looplm.lstm import LSTMLM
-from looplm.probes import chain_path, fit_probe, run_probes
-from looplm.taskdata import TaskSource
-from looplm.tasks import TASKS, solve
-from looplm.tokenizer import ByteTokenizer
+from looplm.experiments.extrapolate import QUICK_OVERRIDES, baseline_recipes, lstm_hidden_for, lstm_params
+from looplm.model.lstm import LSTMLM
+from looplm.evaluation.probes import chain_path, fit_probe, run_probes
+from looplm.data.taskdata import TaskSource
+from looplm.data.tasks import TASKS, solve
+from looplm.data.tokenizer import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_probe_needs_enough_examples():
 
 
 def test_parallel_workers_give_the_same_shape(tmp_path):
-    from looplm.experiment import run_extrapolate
+    from looplm.experiments.extrapolate import run_extrapolate
     recipe = looplm.load_recipe("extrapolate", {**QUICK_OVERRIDES, "train.threads": 2, "data.probe_examples": 0,
                                                 "data.baselines": ["untied_same_params", "lstm"]})
     result = run_extrapolate(recipe, tmp_path / "p", quiet=True)

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import looplm
-from looplm.checkpoint import save_checkpoint, write_text
+from looplm.runs.checkpoint import save_checkpoint, write_text
 from looplm.cli import main
 from looplm.errors import UserError
-from looplm.generation import Engine, GenerationConfig, SamplingParams, TokenEvent
-from looplm.tokenizer import ByteTokenizer
+from looplm.inference.engine import Engine, GenerationConfig, SamplingParams, TokenEvent
+from looplm.data.tokenizer import ByteTokenizer
 
 # init_std 0.3 spreads the logits, so greedy choices are far from ties
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
@@ -339,7 +339,7 @@ def test_a_cancelled_row_stops_and_frees_its_place(model):
 
 
 def test_cached_greedy_matches_the_no_cache_reference(model):
-    """sampling.py recomputes the whole sequence per token (deterministic initial state here)."""
+    """inference/reference.py recomputes the whole sequence per token (deterministic initial state here)."""
     m = tiny(**{"model.init_state": "prelude"})
     eng = Engine(m, TOK, GenerationConfig())
     for prompt in PROMPTS[:3]:
@@ -387,7 +387,7 @@ def test_prompt_logprobs_are_what_the_prefill_computes(config):
     """Engine.prompt_logprobs (the server's echo): at full depth, log-softmax of a forward pass
     with the seed's initial state; with exits in the prompt, the logits of the column-by-column
     prefill that generation runs (its first token is the argmax of the last column's)."""
-    from looplm.model import initial_noise_table
+    from looplm.model.looped import initial_noise_table
 
     m = tiny()                                               # random initial state
     eng = Engine(m, TOK, GenerationConfig(**config))
@@ -416,7 +416,7 @@ def test_a_prompt_of_the_whole_context_is_scored_and_continued_by_one_token():
     positions, and that is what must fit. A prompt of the whole context gets its prompt
     log-probabilities and one token (both a forward pass over it), batched beside a short
     prompt, under speculation too, and through the no-cache reference; one more is refused."""
-    from looplm.sampling import generate_text
+    from looplm.inference.reference import generate_text
 
     m = tiny(**{"model.init_state": "prelude"})
     ctx = m.cfg.context
@@ -632,7 +632,7 @@ def test_verification_reusing_the_drafts_rounds_equals_a_full_depth_chunk(model,
     logits equal running pending + drafts through every round as one chunk."""
     import copy
 
-    from looplm.speculative import verify_from_drafts
+    from looplm.inference.speculative import verify_from_drafts
     eng = Engine(model, TOK, GenerationConfig(rounds=4))
     prompt = torch.tensor([TOK.encode("The loop runs")])
     P, K = prompt.shape[1], 3
@@ -900,7 +900,7 @@ def test_bench_decode_quick_json(capsys):
 @pytest.mark.parametrize("threads", [1, 2, 4])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_one_row_weight_layouts_compute_x_times_w_transposed(threads, rows):
-    from looplm.kernels import mm, row_weight
+    from looplm.inference.kernels import mm, row_weight
     w = torch.randn(96, 40, generator=torch.Generator().manual_seed(threads))
     x = torch.randn(2, rows, 40, generator=torch.Generator().manual_seed(rows))[:1]
     wr = row_weight(w, threads)
@@ -914,7 +914,7 @@ def test_one_row_weight_layouts_compute_x_times_w_transposed(threads, rows):
 def test_several_row_products_take_either_layout_by_size(rows):
     """(out, in) = (512, 256): 2 and 4 rows stay under PACKED_MIN_MACS (the one-row layout),
     64 rows cross it (oneDNN's packed weights); all equal x @ W^T."""
-    from looplm.kernels import PACKED_MIN_MACS, mm, packed_weight, row_weight
+    from looplm.inference.kernels import PACKED_MIN_MACS, mm, packed_weight, row_weight
     w = torch.randn(512, 256, generator=torch.Generator().manual_seed(rows))
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     assert (rows * w.numel() >= PACKED_MIN_MACS) == (rows == 64)
@@ -926,7 +926,7 @@ def test_several_row_products_take_either_layout_by_size(rows):
 _PRIMITIVES = """
 import ctypes, gc, sys
 import torch
-from looplm import kernels
+from looplm.inference import kernels
 def rss():
     gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
@@ -945,7 +945,7 @@ print(rss() - before)
 def test_onednn_keeps_a_bounded_number_of_primitives():
     """oneDNN caches one primitive per matrix and row count (~0.5 MB each here, both caches): a
     server's prefills of ever new lengths grew its memory by hundreds of MB at oneDNN's default
-    of 1024 entries per cache; kernels.py caps them (kernels.PRIMITIVE_CACHE). 600 new shapes:
+    of 1024 entries per cache; inference/kernels.py caps them (kernels.PRIMITIVE_CACHE). 600 new shapes:
     ~50 MB, against ~300 MB with the default capacities (the same script, the user's override)."""
     import subprocess
     import sys
@@ -978,7 +978,7 @@ def test_the_lm_eval_task_example_builds_questions_from_a_runs_held_out_text(run
     import subprocess
     import sys
 
-    from looplm.data import encode_to_memmap
+    from looplm.data.text import encode_to_memmap
 
     run = shutil.copytree(run_dir, tmp_path / "run")       # the fixture's run stays as it is
     text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(40))

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import looplm
-from looplm.checkpoint import load_state
-from looplm.train import train
+from looplm.runs.checkpoint import load_state
+from looplm.train.trainer import train
 
 OVERRIDES = {
     "model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,

@@ -1,4 +1,4 @@
-"""Tests for looplm/halting.py: exit distribution maths, exit losses and exit policies.
+"""Tests for looplm/halting/hazards.py: exit distribution maths, exit losses and exit policies.
 
 Property tests (hypothesis) cover the hazard/mass/CDF conversions on arbitrary gates, including
 saturated ones (exactly 0 and 1). Everything else uses small constructed examples whose expected

@@ -1,4 +1,4 @@
-"""Tests for looplm.lstm: the hand-written cell against a loop written here and torch.nn.LSTM."""
+"""Tests for looplm.model.lstm: the hand-written cell against a loop written here and torch.nn.LSTM."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from looplm.errors import UserError
-from looplm.lstm import LSTMLM, copy_to_torch_lstm, lstm_sequence, lstm_step
+from looplm.model.lstm import LSTMLM, copy_to_torch_lstm, lstm_sequence, lstm_step
 
 
 def random_weights(D: int, H: int, dtype=torch.float32, seed: int = 0):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import looplm
-from looplm.model import deeploop_scales
-from looplm.train import make_optimizer
+from looplm.model.looped import deeploop_scales
+from looplm.train.trainer import make_optimizer
 
 from conftest import tiny_recipe
 
@@ -160,7 +160,7 @@ def test_untied_refuses_other_depths():
 def test_eval_forward_is_deterministic_and_matches_the_engine():
     """A random initial state (Huginn) is fresh noise only in training or with a generator: in eval mode
     the same input gives the same logits, those of the engine's seed-0 noise table at each position."""
-    from looplm.model import initial_noise_table
+    from looplm.model.looped import initial_noise_table
     model = looplm.build_model(tiny_recipe(**{"model.init_state": "random"})).eval()
     idx = torch.randint(0, 257, (2, 10))
     with torch.no_grad():

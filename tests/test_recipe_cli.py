@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import looplm
-from looplm.checkpoint import CHECKPOINT_VERSION, load_run
+from looplm.runs.checkpoint import CHECKPOINT_VERSION, load_run
 from looplm.cli import main
-from looplm.config import dump_toml, field_docs, recipe_from_dict
+from looplm.recipe.config import dump_toml, field_docs, recipe_from_dict
 from looplm.errors import UserError
 
 from conftest import tiny_recipe
@@ -165,7 +165,7 @@ def trained_run(tmp_path_factory):
     corpus.mkdir()
     for i in range(4):
         (corpus / f"doc{i}.py").write_text("\n".join(f"def f{i}_{j}(x):\n    return x + {j}" for j in range(80)))
-    from looplm.train import train
+    from looplm.train.trainer import train
     train(tiny_recipe(**{"data.path": str(corpus), "train.steps": 2}), root / "run", quiet=True)
     return root / "run"
 
@@ -195,7 +195,7 @@ def test_checkpoint_version_is_read_and_a_newer_one_refused(trained_run, tmp_pat
     assert main(["eval", str(run)]) == 2
     err = capsys.readouterr().err
     assert "version" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    from looplm.train import train  # resuming reads the same state file
+    from looplm.train.trainer import train  # resuming reads the same state file
     with pytest.raises(UserError, match="newer"):
         train(looplm.load_recipe(str(run / "recipe.toml")), run, resume=True, quiet=True)
     _set_version(run, None)
@@ -212,7 +212,7 @@ def test_old_run_loads_with_defaults_filled_and_logged(trained_run, tmp_path, ca
     del old["exit"]
     (run / "recipe.toml").write_text(dump_toml(old))
     caplog.clear()
-    with caplog.at_level("WARNING", logger="looplm.checkpoint"):
+    with caplog.at_level("WARNING", logger="looplm.runs.checkpoint"):
         loaded = load_run(run)
     expected = {"model.state_norm": False, "exit.gate": False, "exit.policy": "fixed",
                 "exit.min_rounds": 1, "exit.exit_in_prefill": False}

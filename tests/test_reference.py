@@ -1,4 +1,4 @@
-"""The `--no-cache` reference generator (sampling.py) and the cached engine against hand loops.
+"""The `--no-cache` reference generator (inference/reference.py) and the cached engine against hand loops.
 
 The independent computation is a loop written here: call `model(idx)` on the whole growing
 sequence (with the position-indexed random initial state built here from its definition) and
@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from looplm.config import ModelConfig
+from looplm.recipe.config import ModelConfig
 from looplm.errors import UserError
-from looplm.generation import Engine, GenerationConfig, SamplingParams
-from looplm.model import LoopedLM
-from looplm.sampling import generate_text
-from looplm.tokenizer import ByteTokenizer
+from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
+from looplm.model.looped import LoopedLM
+from looplm.inference.reference import generate_text
+from looplm.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 NOMINAL = 3

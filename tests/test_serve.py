@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import looplm
-from looplm.checkpoint import save_checkpoint, write_text
-from looplm.tokenizer import ByteTokenizer
+from looplm.runs.checkpoint import save_checkpoint, write_text
+from looplm.data.tokenizer import ByteTokenizer
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
         "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
@@ -185,7 +185,7 @@ def test_scoring_a_continuation_as_lm_evaluation_harness_does(server):
     token ids with echo, logprobs 1 and max_tokens 1, and sum token_logprobs[ctxlen:-1]. That sum
     is the continuation's log-likelihood under a full forward pass of the served model (same
     initial loop state: the noise table of the request's seed)."""
-    from looplm.model import initial_noise_table
+    from looplm.model.looped import initial_noise_table
     from looplm.serve import _token_text
 
     base = server["base"]
@@ -309,7 +309,7 @@ def test_too_many_requests_get_429_and_the_rest_succeed(server):
 
 
 def _scheduler(speculative=None, **limits):
-    from looplm.generation import Engine, GenerationConfig
+    from looplm.inference.engine import Engine, GenerationConfig
     from looplm.serve import Scheduler, ServeLimits
 
     torch.manual_seed(0)
@@ -351,7 +351,7 @@ def _each_tick_one_token_until_the_first(sched, log, ticks):
 def test_a_short_request_is_not_held_behind_a_long_one():
     """With batches of one row, a prompt that arrives while a batch runs starts its own batch,
     advanced in turn with it."""
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
 
     engine, sched = _scheduler(max_batch=1, max_batches=2)
     long_p = SamplingParams(max_new_tokens=100, stop_at_eos=False)
@@ -370,7 +370,7 @@ def test_prompts_that_fit_the_context_alone_but_not_together_start_separate_batc
     """A new batch left-pads its prompts to the longest, so a long prompt with few tokens and a
     short one with many can each fit the context but not one batch: they go to batches of their
     own (in order), and each gets what the engine gives it alone (this was an error for both)."""
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
 
     engine, sched = _scheduler(max_batch=4, max_batches=2)                 # context 128
     long_prompt, long_p = bytes(range(32, 132)), SamplingParams(max_new_tokens=3, stop_at_eos=False)
@@ -390,7 +390,7 @@ def test_prompts_that_fit_the_context_alone_but_not_together_start_separate_batc
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
     """With prefill_chunk=8 a 60-token prompt's new batch takes 8 ticks to its first token, and
     the running batch emits a token at every one of them instead of waiting for the whole prompt."""
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
 
     engine, sched = _scheduler(max_batch=1, max_batches=2, prefill_chunk=8)
     run_p = SamplingParams(max_new_tokens=30, stop_at_eos=False)
@@ -408,7 +408,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_other_batches_steps():
 def test_a_long_prompt_joining_a_running_batch_is_prefilled_in_chunks():
     """A 60-token prompt takes the free row of a batch at column 70 over ceil(60 / 8) = 8 ticks,
     one chunk each, and the running row gets its token at every one of them."""
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
 
     engine, sched = _scheduler(max_batch=2, max_batches=1, prefill_chunk=8)
     run_prompt, run_p = bytes(range(40, 110)), SamplingParams(max_new_tokens=30, stop_at_eos=False)
@@ -427,7 +427,7 @@ def test_a_long_prompt_joining_a_running_batch_is_prefilled_in_chunks():
 def test_a_speculative_server_runs_each_request_as_its_own_batch_in_turn():
     """`looplm serve --speculative`: speculation is batch-1, so each prompt gets its own batch;
     they advance one verification each in turn and answer what plain decoding answers."""
-    from looplm.generation import Engine, SamplingParams
+    from looplm.inference.engine import Engine, SamplingParams
 
     engine, sched = _scheduler(speculative="1:3", max_batches=2)
     plain = Engine(engine.model, ByteTokenizer())
@@ -448,7 +448,7 @@ def test_a_speculative_server_runs_each_request_as_its_own_batch_in_turn():
 
 
 def test_a_row_whose_client_went_away_stops():
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
 
     engine, sched = _scheduler()
     log: list[tuple[str, int, bool]] = []
@@ -465,7 +465,7 @@ def test_a_row_whose_client_went_away_stops():
 def test_a_new_request_takes_a_free_row_of_a_running_batch():
     """Continuous batching: with room for one batch only, a request that arrives after a short
     batch mate finished joins the running batch instead of waiting for the long row to end."""
-    from looplm.generation import SamplingParams
+    from looplm.inference.engine import SamplingParams
 
     engine, sched = _scheduler(max_batches=1, max_batch=2)
     jobs = {"long": (b"a long one", SamplingParams(max_new_tokens=100, stop_at_eos=False)),
@@ -489,7 +489,7 @@ def test_a_client_gone_before_its_whole_response_stops_its_rows():
     import asyncio
     import time as _time
 
-    from looplm.generation import Engine
+    from looplm.inference.engine import Engine
     from looplm.serve import ServeLimits, create_app
 
     torch.manual_seed(0)
@@ -540,8 +540,8 @@ def test_a_prompt_of_the_whole_context_is_scored_in_a_served_batch():
     with a short prompt; `max_tokens: 1` continues it; 2 is a 400 naming the prompt."""
     import asyncio
 
-    from looplm.generation import Engine
-    from looplm.model import initial_noise_table
+    from looplm.inference.engine import Engine
+    from looplm.model.looped import initial_noise_table
     from looplm.serve import ServeLimits, _token_text, create_app
 
     torch.manual_seed(0)

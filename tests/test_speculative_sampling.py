@@ -27,9 +27,9 @@ from collections import Counter
 import pytest
 import torch
 
-from looplm.config import ModelConfig
-from looplm.generation import Engine, GenerationConfig, SamplingParams
-from looplm.model import LoopedLM
+from looplm.recipe.config import ModelConfig
+from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
+from looplm.model.looped import LoopedLM
 
 ROUNDS = 4
 PROMPT = [0, 1, 2]

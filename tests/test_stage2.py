@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from looplm.cli import main
 from looplm.errors import UserError
-from looplm.train import stage2_recipe, train
+from looplm.train.trainer import stage2_recipe, train
 
 from conftest import tiny_recipe
 

@@ -12,11 +12,11 @@ import torch
 import looplm
 from looplm.cli import main
 from looplm.errors import UserError
-from looplm.taskdata import (TaskSampler, TaskSource, encode_examples, evaluate_examples, greedy_answers,
-                             prompt_tokens_by_difficulty)
-from looplm.tasks import ANSWER_END, SEPARATOR, Example
-from looplm.tokenizer import ByteTokenizer
-from looplm.train import train
+from looplm.data.taskdata import TaskSampler, TaskSource, encode_examples
+from looplm.evaluation.tasks import evaluate_examples, greedy_answers, prompt_tokens_by_difficulty
+from looplm.data.tasks import ANSWER_END, SEPARATOR, Example
+from looplm.data.tokenizer import ByteTokenizer
+from looplm.train.trainer import train
 
 TOK = ByteTokenizer()
 TASK = {  # a tiny looped model on chains, small enough to train in seconds
@@ -231,8 +231,8 @@ def test_trace_round_targets_through_the_sampler():
 
 
 def test_trace_loss_is_the_mean_of_per_round_target_losses():
-    from looplm.losses import supervised_loss
-    from looplm.config import SupervisionConfig
+    from looplm.model.losses import supervised_loss
+    from looplm.recipe.config import SupervisionConfig
     recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": "trace", "depth.max": 3})
     sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
     model = looplm.build_model(recipe)
@@ -283,8 +283,8 @@ def test_length_curriculum_is_its_own_dial():
 def test_exit_policies_on_task_examples():
     """Answer positions follow the exit policy, the prompt runs every round: fixed:R is the plain
     evaluation at R; a policy that always exits at once reads every answer at round 1."""
-    from looplm.adaptive import early_exit
-    from looplm.taskdata import evaluate_examples_exit
+    from looplm.evaluation.early_exit import early_exit
+    from looplm.evaluation.tasks import evaluate_examples_exit
     recipe = task_recipe(**{"data.difficulty_max": 2})
     torch.manual_seed(0)
     model = looplm.build_model(recipe).eval()

@@ -1,4 +1,4 @@
-"""Tests for looplm.tasks: determinism, answers vs. the independent solvers, the two dials,
+"""Tests for looplm.data.tasks: determinism, answers vs. the independent solvers, the two dials,
 JSONL loading and the answer mask."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from looplm.errors import UserError
-from looplm.tasks import (
+from looplm.data.tasks import (
     ANSWER_END,
     SEPARATOR,
     TASKS,
@@ -255,7 +255,7 @@ def test_load_jsonl_missing_file(tmp_path):
 
 
 def test_chain_trace_follows_the_bindings_hop_by_hop():
-    from looplm.tasks import trace_chain
+    from looplm.data.tasks import trace_chain
     assert trace_chain("c=b; a=7; b=a; ? c") == ["b", "a"]
     assert trace_chain("a=7; b=3; ? a") == []
     for hops in (1, 2, 5, 8):

@@ -7,7 +7,7 @@ import torch
 
 import looplm
 from looplm.cli import main
-from looplm.train import lr_at, train
+from looplm.train.trainer import lr_at, train
 
 from conftest import tiny_recipe
 

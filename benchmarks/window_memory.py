@@ -1,0 +1,65 @@
+"""Peak training memory against forward depth, with a fixed backward window (issue 14/15's bound).
+
+    python benchmarks/window_memory.py [--rounds 4,32] [--window 4] [--batch 16] [--seq 128]
+
+Each depth runs in its own interpreter (a fresh peak): one training step (forward, backward, AdamW) of
+the quickstart model at that depth with `backward.window` rounds of gradient, and the process's peak
+RSS above its baseline after the model is built. Rounds before the window run under no_grad
+(model/recurrence.py), so their activations are not kept: the goal is <= 1.3x from 4 to 32 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+
+
+def one(rounds: int, window: int, batch: int, seq: int) -> dict:
+    import torch
+
+    from looplm.recipe import load_recipe
+    from looplm.model import build_model
+    from looplm.train.trainer import Counters, make_optimizer, train_step
+
+    torch.set_num_threads(1)
+    recipe = load_recipe("quickstart", overrides={"depth.kind": "fixed", "depth.rounds": rounds,
+                                                  "backward.window": min(window, rounds), "train.batch_size": batch,
+                                                  "data.seq_len": seq, "exit.min_rounds": 1})
+    model = build_model(recipe).train()
+    opt = make_optimizer(model, recipe)
+    x = torch.randint(0, 257, (batch, seq))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    loss, out, _ = train_step(model, recipe, x, x, 0, 0, Counters())
+    opt.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"rounds": rounds, "window": min(window, rounds), "grad_rounds": list(out.grad_rounds),
+            "peak_above_baseline_mib": (peak - base) / 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", default="4,32")
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one, a.window, a.batch, a.seq)))
+        return
+    rows = []
+    for r in map(int, a.rounds.split(",")):
+        cmd = [sys.executable, __file__, "--one", str(r), "--window", str(a.window), "--batch", str(a.batch),
+               "--seq", str(a.seq)]
+        rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
+        print(f"rounds {r:3d}, window {rows[-1]['window']}: peak {rows[-1]['peak_above_baseline_mib']:.0f} MiB "
+              "above baseline", file=sys.stderr)
+    ratio = rows[-1]["peak_above_baseline_mib"] / rows[0]["peak_above_baseline_mib"]
+    print(json.dumps({"rows": rows, "ratio_last_vs_first": ratio}))
+
+
+if __name__ == "__main__":
+    main()

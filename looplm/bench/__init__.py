@@ -1,0 +1,1 @@
+"""`looplm bench`: decode.py and train.py, on the matched bench-s configuration, peers in the same run."""

@@ -1,0 +1,419 @@
+"""Prompt/answer task data for the trainer: batches, answer-only masks, exact match, decoding.
+
+When a recipe sets `data.task` (a built-in generator of looplm.tasks, or a JSONL file of
+{"prompt", "answer"} lines) the trainer learns answers instead of a token stream:
+
+    TaskSource      where examples come from: a built-in generator (fresh examples for every
+                    batch, one prompt length at every difficulty, so length never tells the
+                    difficulty) or a JSONL file split into training and held-out examples
+                    (training: difficulty_min..difficulty_max; held out: up to eval_difficulty_max)
+    TaskSampler     the training batch of global micro-batch i: one difficulty per micro-batch
+                    (under the curriculum), right-padded, with the answer-only loss mask; with
+                    data.depth_by_difficulty also the rounds to run and the rounds to supervise
+    RoundTargets    data.round_targets = "trace": what each round is trained to read out (the
+                    intermediate result after r steps, then the answer)
+    score_task_sets exact-match accuracy and answer loss by rounds and by difficulty x rounds: the
+                    one task evaluation, behind the trainer's report and `looplm eval` on a task run
+                    (its held-out examples, or another JSONL file with --data)
+    greedy_answers  batched greedy decoding of answers, the slow reference for exact match
+
+Exact match is scored teacher-forced: greedy decoding reproduces the answer iff, given the
+correct answer so far, the argmax at every answer position is the answer's next token (by
+induction over the answer). So one forward pass at the largest round count scores every
+round count at once, because a round's readout does not depend on later rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..recipe.config import DataConfig, Recipe, SupervisionConfig
+from ..errors import UserError
+from .tasks import SEPARATOR, TASKS, TRACERS, Example, answer_mask, format_example, load_jsonl
+from .tokenizer import ByteTokenizer
+
+# Seeds of the generator streams. Training micro-batch i of run seed s draws from seed
+# s * TRAIN_STRIDE + i (>= 0); held-out and probe sets use negative seeds, so they never
+# share a stream with training.
+TRAIN_STRIDE = 1_000_000_000
+EVAL_SEED = -1
+PROBE_SEED = -2
+
+
+def is_builtin(task: str) -> bool:
+    return task in TASKS
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding
+
+
+@dataclass
+class TaskBatch:
+    """Right-padded examples. Row i holds prompt + answer; x = ids[:-1], y = ids[1:]."""
+
+    x: torch.Tensor           # (B, T) inputs, padded with the tokenizer's eos id
+    y: torch.Tensor           # (B, T) next-token targets
+    mask: torch.Tensor        # (B, T) True exactly at answer targets
+    prompt_lens: list[int]    # prompt tokens per row (incl. the separator)
+    lengths: list[int]        # prompt + answer tokens per row
+    difficulties: list[int]
+
+
+def _where(ex: Example) -> str:
+    if "line" in ex.meta:
+        return f"{ex.meta.get('source', 'data.task')}, line {ex.meta['line']}"
+    return f"{ex.meta.get('task', 'task')} example (difficulty {ex.difficulty})"
+
+
+def format_for_training(ex: Example, separator: bool = True) -> tuple[str, str]:
+    """tasks.format_example, without the trailing separator when separator is False."""
+    prompt, answer = format_example(ex)
+    return (prompt if separator else prompt[:-len(SEPARATOR)]), answer
+
+
+def encode_examples(tok: Any, examples: list[Example], context: int | None = None,
+                    separator: bool = True) -> TaskBatch:
+    """Tokenize and right-pad examples; the mask comes from tasks.answer_mask."""
+    if not examples:
+        raise UserError("no examples to encode")
+    rows = []
+    for ex in examples:
+        prompt, answer = format_for_training(ex, separator)
+        ids, mask = answer_mask(tok.encode(prompt), tok.encode(answer))
+        if context is not None and len(ids) - 1 > context:
+            raise UserError(f"{_where(ex)}: prompt + answer is {len(ids)} tokens, more than "
+                            f"model.context + 1 = {context + 1}; shorten it or raise model.context")
+        rows.append((ids, mask, len(ids) - len(tok.encode(answer))))
+    T = max(len(ids) for ids, _, _ in rows) - 1
+    pad = tok.eos_id
+    x = torch.full((len(rows), T), pad, dtype=torch.long)
+    y = torch.full((len(rows), T), pad, dtype=torch.long)
+    m = torch.zeros((len(rows), T), dtype=torch.bool)
+    for i, (ids, mask, _) in enumerate(rows):
+        n = len(ids) - 1
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, :n] = torch.tensor(ids[1:])
+        m[i, :n] = torch.tensor(mask)
+    return TaskBatch(x, y, m, [p for _, _, p in rows], [len(ids) for ids, _, _ in rows],
+                     [ex.difficulty for ex in examples])
+
+
+@dataclass
+class RoundTargets:
+    """Per-round targets of one batch (data.round_targets = "trace"). A row whose example has
+    k - 1 trace entries is trained, at rounds r < k, on trace[r - 1] at the answer's first
+    position and nothing else; from round k on, on the whole answer (y, mask)."""
+
+    y: torch.Tensor           # (B, T) the answer targets, as in TaskBatch
+    mask: torch.Tensor        # (B, T)
+    first: torch.Tensor       # (B,) target index of the answer's first token
+    trace: torch.Tensor       # (B, K) token id of each trace entry (padded with 0)
+    steps: torch.Tensor       # (B,) trace entries per row (k - 1)
+
+    def __call__(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets, mask) for round r."""
+        rows = (self.steps >= r).nonzero().squeeze(1)          # rows still before their answer
+        if rows.numel() == 0:
+            return self.y, self.mask
+        y, mask = self.y.clone(), self.mask.clone()
+        mask[rows] = False
+        mask[rows, self.first[rows]] = True
+        y[rows, self.first[rows]] = self.trace[rows, r - 1]
+        return y, mask
+
+
+def example_trace(ex: Example, task: str) -> list[str]:
+    """An example's intermediate results: a JSONL line's "trace", else the built-in task's tracer."""
+    if "trace" in ex.meta:
+        return ex.meta["trace"]
+    if task in TRACERS:
+        return TRACERS[task](ex.prompt)
+    return []
+
+
+def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str) -> RoundTargets:
+    """The RoundTargets of an encoded batch; every trace entry must be one token."""
+    traces = []
+    for ex in examples:
+        ids = [tok.encode(t) for t in example_trace(ex, task)]
+        if any(len(i) != 1 for i in ids):
+            raise UserError(f"{_where(ex)}: every trace entry must be one token for data.round_targets = "
+                            f"\"trace\"; got {example_trace(ex, task)!r}")
+        traces.append([i[0] for i in ids])
+    K = max(1, max(len(t) for t in traces))
+    trace = torch.zeros(len(traces), K, dtype=torch.long)
+    for i, t in enumerate(traces):
+        trace[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    return RoundTargets(b.y, b.mask, torch.tensor([p - 1 for p in b.prompt_lens]), trace,
+                        torch.tensor([len(t) for t in traces]))
+
+
+# ---------------------------------------------------------------------------------------
+# Where examples come from
+
+
+class TaskSource:
+    """A built-in generator or a JSONL file, with the recipe's difficulty and length dials."""
+
+    def __init__(self, recipe: Recipe):
+        d = recipe.data
+        self.task, self.seed, self.length_min = d.task, recipe.train.seed, d.train_length_min
+        self.separator = d.separator
+        self.builtin = is_builtin(d.task)
+        self.unused_counts: dict[int, int] = {}  # JSONL lines outside difficulty_min..the evaluated maximum
+        self.levelled = True                     # False: a JSONL file whose lines give no "difficulty"
+        if self.builtin and d.round_targets == "trace" and d.task not in TRACERS:
+            raise UserError(f"recipe field data.round_targets = \"trace\": task {d.task} has no trace of "
+                            f"intermediate results (tasks with one: {', '.join(TRACERS)}; a JSONL file can give "
+                            f"\"trace\" lists)")
+        if self.builtin:
+            spec = TASKS[d.task]
+            if d.difficulty_min < spec.min_difficulty:
+                raise UserError(f"recipe field data.difficulty_min: {d.task} difficulties start at "
+                                f"{spec.min_difficulty}, got {d.difficulty_min}")
+            self.eval_max = d.eval_difficulty_max or 2 * d.difficulty_max
+            if spec.max_length is not None and self.eval_max > spec.max_length:
+                raise UserError(f"recipe field data.eval_difficulty_max: {d.task} allows difficulties up to "
+                                f"{spec.max_length}; {self.eval_max} was asked (0 means 2 x data.difficulty_max)")
+            self.length = d.task_length or spec.default_length(self.eval_max)
+            for level in range(d.difficulty_min, max(self.eval_max, d.difficulty_max) + 1):
+                try:
+                    spec(0, level, 0, self.length)  # validates the (difficulty, length) pair
+                except UserError as err:
+                    raise UserError(f"recipe field data.task_length = {self.length}: {err}") from None
+            self.train_levels = list(range(d.difficulty_min, d.difficulty_max + 1))
+            self.eval_levels = list(range(d.difficulty_min, self.eval_max + 1))
+            self._train_pool: dict[int, list[Example]] = {}
+            self._eval_pool: dict[int, list[Example]] = {}
+        else:
+            self._split_file(read_task_file(d.task, recipe, traces=d.round_targets == "trace"), d)
+        # training examples per difficulty (None for a generator: fresh ones every batch)
+        self.train_counts = None if self.builtin else {lv: len(p) for lv, p in sorted(self._train_pool.items())}
+
+    def _split_file(self, examples: list[Example], d: DataConfig) -> None:
+        """A JSONL file's training and held-out pools.
+
+        Training draws only lines with difficulty_min <= difficulty <= difficulty_max, less a
+        val_fraction held out; every line above difficulty_max up to eval_difficulty_max (0 = 2 x
+        difficulty_max) is held out too, so a file can hold the extrapolation experiment. A file
+        whose lines give no "difficulty" has nothing to select: all its lines are difficulty 0,
+        and difficulty_min/max/eval_difficulty_max other than their defaults are refused rather
+        than ignored (a recipe cannot tell a default it left alone from one it set)."""
+        path = d.task
+        for name in ("task_length", "train_length_min", "length_curriculum"):  # built-in prompts only
+            if getattr(d, name):
+                raise UserError(f"recipe field data.{name}: {path} is a JSONL file, whose prompts are used as written; "
+                                f"leave data.{name} at 0 (it sets the length of built-in tasks' prompts)")
+        self.levelled = examples[0].meta["difficulty"] is not None  # read_task_file: on every line or none
+        if not self.levelled:
+            defaults = DataConfig()
+            for name in ("difficulty_min", "difficulty_max", "eval_difficulty_max"):
+                if getattr(d, name) != getattr(defaults, name):
+                    raise UserError(f"recipe field data.{name}: {path} gives no \"difficulty\" on its lines, so there "
+                                    f"are no difficulties to select; give every line a \"difficulty\" or leave "
+                                    f"data.{name} at its default {getattr(defaults, name)}")
+            lo = hi = top = 0
+        else:
+            lo, hi = d.difficulty_min, d.difficulty_max
+            top = d.eval_difficulty_max or 2 * hi
+        train = [ex for ex in examples if lo <= ex.difficulty <= hi]
+        beyond = [ex for ex in examples if hi < ex.difficulty <= top]
+        self.unused_counts = _counts([ex for ex in examples if not lo <= ex.difficulty <= top])
+        if not train:
+            raise UserError(f"{path}: no line to train on with difficulty in data.difficulty_min..data.difficulty_max "
+                            f"= {lo}..{hi}; the file's difficulties (lines): "
+                            + ", ".join(f"{lv} ({n})" for lv, n in _counts(examples).items()))
+        # val_fraction of each trained difficulty's lines is held out (at least one where there are two)
+        rng = random.Random(f"looplm.taskdata/split/{self.seed}")
+        kept, held = [], []
+        for exs in _by_level(train).values():
+            order = list(range(len(exs)))
+            rng.shuffle(order)
+            n_val = min(len(exs) - 1, max(1, round(d.val_fraction * len(exs))))
+            held += [exs[i] for i in order[:n_val]]
+            kept += [exs[i] for i in order[n_val:]]
+        held += beyond
+        if not held:
+            raise UserError(f"{path}: nothing to hold out for evaluation; needs at least 2 examples of one difficulty "
+                            f"in {lo}..{hi} (one to train on, one held out)"
+                            + (f" or one of difficulty {hi + 1}..{top}" if top > hi else ""))
+        self._train_pool, self._eval_pool = _by_level(kept), _by_level(held)
+        self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
+        self.length, self.eval_max = None, max(self.eval_levels)
+
+    def train_length(self, level: int, index: int, progress: float = 1.0) -> int | None:
+        """Items per prompt in training micro-batch `index`: task_length, or with data.train_length_min
+        drawn per micro-batch from lo = max(train_length_min, the level's minimum) up to a cap that
+        data.length_curriculum raises from lo (progress 0) to task_length (progress 1)."""
+        if not self.builtin or not self.length_min:
+            return self.length
+        lo = min(self.length, max(self.length_min, TASKS[self.task].min_length(level)))
+        hi = lo + math.ceil(progress * (self.length - lo))
+        return random.Random(f"looplm.taskdata/length/{self.seed}/{index}").randint(lo, hi)
+
+    def train_examples(self, level: int, n: int, index: int, progress: float = 1.0) -> list[Example]:
+        """The n examples of training micro-batch `index`, all of difficulty `level`."""
+        if self.builtin:
+            length = self.train_length(level, index, progress)
+            return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, length))
+        rng = random.Random(f"looplm.taskdata/batch/{self.seed}/{index}")
+        return rng.choices(self._train_pool[level], k=n)
+
+    def eval_sets(self, n: int, seed: int = EVAL_SEED, levels: list[int] | None = None) -> dict[int, list[Example]]:
+        """Held-out examples by difficulty: n fresh ones per level (a JSONL file: the first n of
+        each level's held-out lines)."""
+        levels = self.eval_levels if levels is None else levels
+        if self.builtin:
+            return {lv: list(TASKS[self.task](seed, lv, n, self.length)) for lv in levels}
+        return {lv: self._eval_pool[lv][:n] for lv in levels if lv in self._eval_pool}
+
+    def train_token_count(self) -> int | None:
+        """Tokens in the training split of a JSONL file (None for a generator: unbounded)."""
+        if self.builtin:
+            return None
+        return sum(len("".join(format_for_training(ex, self.separator)).encode()) for pool in
+                   self._train_pool.values() for ex in pool)
+
+
+def _by_level(examples: list[Example]) -> dict[int, list[Example]]:
+    out: dict[int, list[Example]] = {}
+    for ex in examples:
+        out.setdefault(ex.difficulty, []).append(ex)
+    return out
+
+
+def _counts(examples: list[Example]) -> dict[int, int]:
+    return {lv: len(exs) for lv, exs in sorted(_by_level(examples).items())}
+
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> list[Example]:
+    """A JSONL file's examples, checked before anything runs: tasks.load_jsonl's checks, every
+    example within model.context, a "difficulty" on every line or on none, and with traces=True
+    (training with data.round_targets = "trace") one-token traces. UserError names the line."""
+    examples = load_jsonl(path)
+    given = [ex for ex in examples if ex.meta["difficulty"] is not None]
+    if given and len(given) < len(examples):
+        bare = next(ex for ex in examples if ex.meta["difficulty"] is None)
+        raise UserError(f"{path}, line {bare.meta['line']}: no \"difficulty\", but line {given[0].meta['line']} "
+                        f"has one; give every line a \"difficulty\" or none")
+    tok = ByteTokenizer()  # task recipes are byte-tokenized (config.DataConfig)
+    for ex in examples:
+        b = encode_examples(tok, [ex], recipe.model.context, recipe.data.separator)
+        if traces:
+            round_targets(tok, [ex], b, recipe.data.task)
+    return examples
+
+
+def eval_file_sets(path: str, recipe: Recipe) -> dict[int, list[Example]]:
+    """`looplm eval TASK_RUN --data FILE.jsonl`: every line of the file by difficulty (a file
+    without difficulties: all at 0), read with training's checks."""
+    p = Path(path)
+    if p.is_dir() or p.suffix.lower() not in JSONL_SUFFIXES:
+        raise UserError(f"--data {path}: a task run (data.task = {recipe.data.task}) is scored on a JSONL file of "
+                        f"{{\"prompt\": ..., \"answer\": ...}} lines named *.jsonl; got "
+                        + ("a folder" if p.is_dir() else
+                           "a file without the .jsonl suffix (text is for language-model runs)"))
+    return dict(sorted(_by_level(read_task_file(p, recipe)).items()))
+
+
+# ---------------------------------------------------------------------------------------
+# Training batches
+
+
+class TaskSampler:
+    """Training batches as a pure function of (seed, global micro-batch index)."""
+
+    def __init__(self, source: TaskSource, tok: Any, recipe: Recipe):
+        self.source, self.tok, self.recipe = source, tok, recipe
+        self._seen: set[int] = set()
+        self._unique_tokens = 0
+
+    def in_warmup(self, index: int) -> bool:
+        return index // self.recipe.train.grad_accum < self.recipe.data.warmup_steps
+
+    def progress(self, index: int, fraction: float | None = None) -> float:
+        """How far a ramp over `fraction` of train.steps (default data.curriculum) has got at
+        micro-batch `index`: 0 during warm-up, 1 once it is done."""
+        r = self.recipe
+        ramp = (r.data.curriculum if fraction is None else fraction) * r.train.steps
+        step = index // r.train.grad_accum - r.data.warmup_steps
+        if step < 0:
+            return 0.0
+        return 1.0 if ramp <= 0 else min(1.0, step / ramp)
+
+    def level(self, index: int) -> int:
+        """The difficulty of micro-batch `index`: uniform over the levels the curriculum allows."""
+        levels, r = self.source.train_levels, self.recipe
+        if self.in_warmup(index):
+            return levels[0]
+        allowed = min(len(levels), 1 + int(len(levels) * self.progress(index)))
+        return levels[random.Random(f"looplm.taskdata/level/{r.train.seed}/{index}").randrange(allowed)]
+
+    def depth_plan(self, level: int, index: int) -> tuple[int, SupervisionConfig]:
+        """data.depth_by_difficulty: (rounds to run, supervision of every round from `level` on,
+        or from round 1 with trace targets)."""
+        d, r = self.recipe.depth, self.recipe
+        if r.model.untied or d.kind == "fixed":
+            rounds = d.rounds
+        else:
+            lo = max(level, d.min, 1)
+            hi = max(lo, d.max)
+            rounds = random.Random(f"looplm.taskdata/rounds/{r.train.seed}/{index}").randint(lo, hi)
+        first = 1 if r.data.round_targets == "trace" else max(1, min(level, rounds))
+        return rounds, SupervisionConfig(kind="rounds", rounds=tuple(range(first, rounds + 1)))
+
+    def examples(self, index: int) -> list[Example]:
+        level = self.level(index)
+        return self.source.train_examples(level, self.recipe.train.batch_size, index,
+                                          self.progress(index, self.recipe.data.length_curriculum))
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(x, y, train_step options): the options carry the answer mask and, with
+        data.depth_by_difficulty, the rounds and supervision for this micro-batch."""
+        examples = self.examples(index)
+        b = encode_examples(self.tok, examples, self.recipe.model.context, self.recipe.data.separator)
+        for ex, n in zip(examples, b.lengths):
+            key = int.from_bytes(hashlib.blake2b(f"{ex.prompt}\0{ex.answer}".encode(), digest_size=8).digest(),
+                                 "little", signed=True)
+            if key not in self._seen:
+                self._seen.add(key)
+                self._unique_tokens += n
+        opts: dict[str, Any] = {"mask": b.mask}
+        if self.recipe.data.round_targets == "trace":
+            opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task)
+        if self.recipe.data.depth_by_difficulty:
+            opts["rounds"], opts["supervision"] = self.depth_plan(examples[0].difficulty, index)
+        return b.x, b.y, opts
+
+    def unique_tokens(self) -> int:
+        """Tokens of the distinct examples trained on so far."""
+        return self._unique_tokens
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"seen": torch.tensor(sorted(self._seen), dtype=torch.long),
+                "unique_tokens": torch.tensor(self._unique_tokens, dtype=torch.long)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._seen = set(state["seen"].tolist())
+        self._unique_tokens = int(state["unique_tokens"])
+
+
+def prepare_task_data(recipe: Recipe, run_dir: Path):
+    """The trainer's data for a task recipe: (tokenizer, TaskSampler, TaskSource)."""
+    tok = ByteTokenizer()
+    if tok.vocab_size > recipe.model.vocab_size:
+        raise UserError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
+    source = TaskSource(recipe)
+    tok.save(Path(run_dir) / "checkpoint")
+    return tok, TaskSampler(source, tok, recipe), source

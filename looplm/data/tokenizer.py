@@ -1,0 +1,183 @@
+"""Tokenizers: turn text into token ids and back.
+
+Two kinds share one small interface (`vocab_size`, `eos_id`, `encode`, `decode`, `token_bytes`,
+`save`):
+
+- `ByteTokenizer`: ids 0..255 are raw UTF-8 bytes and id 256 is `<|eos|>`, the document
+  separator. Needs no training and handles any text.
+- `BPETokenizer`: a byte-level BPE trained locally with the HF `tokenizers` library. Because
+  it works on bytes, any text round-trips exactly.
+
+A tokenizer is saved into a run folder as `tokenizer_config.json` (which kind) plus, for BPE,
+`tokenizer.json`; `load_tokenizer` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ..errors import UserError
+
+EOS_TOKEN = "<|eos|>"
+CONFIG_FILE = "tokenizer_config.json"
+BPE_FILE = "tokenizer.json"
+KINDS = ("byte", "bpe")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, plus one end-of-document token."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # Drop eos and anything outside the byte range; a model can emit a split multi-byte
+        # character, so undecodable bytes become U+FFFD rather than an exception.
+        data = bytes(i for i in map(int, ids) if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for eos): a token can hold part of a character."""
+        return bytes([token]) if 0 <= token < 256 else b""
+
+    def save(self, directory: str | Path) -> None:
+        _write_config(Path(directory), "byte")
+
+
+class BPETokenizer:
+    """A byte-level BPE tokenizer backed by an HF `tokenizers.Tokenizer`."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        if eos_id is None:
+            raise UserError(f"BPE tokenizer has no {EOS_TOKEN} token; retrain it with looplm")
+        # Text that happens to contain the literal string "<|eos|>" must be encoded as plain
+        # bytes, otherwise it would silently split a document in two.
+        tokenizer.encode_special_tokens = True
+        self._tok = tokenizer
+        self.eos_id: int = eos_id
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # The Rust side encodes a batch in parallel, which matters for large corpora.
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for eos): a token can hold part of a character.
+        Byte-level BPE spells byte b as one printable character (GPT-2's table: printable
+        Latin-1 bytes as themselves, the others as chr(256 + n) in byte order)."""
+        if token == self.eos_id:
+            return b""
+        symbols = self._tok.id_to_token(int(token)) or ""
+        return bytes(_BYTE_OF_SYMBOL[c] for c in symbols)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / BPE_FILE))
+        _write_config(directory, "bpe")
+
+
+AnyTokenizer = ByteTokenizer | BPETokenizer
+
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_OF_SYMBOL = {chr(b): b for b in _PRINTABLE}
+_BYTE_OF_SYMBOL.update({chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in _PRINTABLE)})
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    """Train a byte-level BPE on `texts`; the same input gives the same tokenizer.
+
+    The result can be smaller than `vocab_size` when the text has too few distinct merges.
+    """
+    minimum = ByteTokenizer.vocab_size + 1  # 256 bytes + eos + at least one merge
+    if not isinstance(vocab_size, int) or not minimum <= vocab_size <= 2**32 - 1:
+        raise UserError(f"vocab_size must be an integer >= {minimum} for a BPE tokenizer, "
+                        f"got {vocab_size!r}")
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False keeps round trips exact (no space invented at the start).
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        # Seed with all 256 byte symbols so text unseen in training still encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(tok)
+
+
+def encode_with_eos(tok: AnyTokenizer, text: str) -> list[int]:
+    """Text with each literal "<|eos|>" read as the end-of-text token (as Hugging Face tokenizers
+    read special tokens in text). `encode` keeps such text as plain characters, so that no
+    document is ever split; a client that finds the eos id by tokenizing its string (the
+    server's /tokenize, for lm-evaluation-harness) needs this reading instead."""
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(EOS_TOKEN)):
+        if i:
+            ids.append(tok.eos_id)
+        ids.extend(tok.encode(piece) if piece else [])
+    return ids
+
+
+def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> AnyTokenizer:
+    """The byte tokenizer for "byte" (texts and vocab_size unused); a trained BPE for "bpe"."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return train_bpe(texts, vocab_size)
+    raise UserError(f"tokenizer kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def load_tokenizer(directory: str | Path) -> AnyTokenizer:
+    """Read a tokenizer written by `save` from `directory`."""
+    directory = Path(directory)
+    config_path = directory / CONFIG_FILE
+    kind = _read_config(config_path).get("kind")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        bpe_path = directory / BPE_FILE
+        if not bpe_path.is_file():
+            raise UserError(f"{bpe_path}: missing; a BPE tokenizer needs its {BPE_FILE}")
+        try:
+            return BPETokenizer(Tokenizer.from_file(str(bpe_path)))
+        except Exception as exc:  # the Rust loader raises a bare Exception on bad JSON
+            raise UserError(f"{bpe_path}: not a valid tokenizers file ({exc})") from exc
+    raise UserError(f"{config_path}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def _write_config(directory: Path, kind: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps({"kind": kind}) + "\n", encoding="utf-8")
+
+
+def _read_config(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: missing; expected a tokenizer config with a 'kind' field")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: expected a JSON object with a 'kind' field")
+    return config

@@ -1,0 +1,295 @@
+"""`looplm check RUN`: the seeds' "checks before claiming a saving", run against a trained model.
+
+Each check recomputes something on the run's model and compares: a future-token perturbation
+must not change earlier predictions; the shared core must be one set of tensors (and the
+optimizer must see each once); the looped model must equal an untied stack of copies; the
+state must stay finite and stop growing past the trained depth; the FLOP count must grow with
+every visit; autograd must deliver gradient to exactly the rounds the backward window names
+(and the trainer's record must say the same); exit masses must sum to 1 with a forced last
+exit; token-passes must add up.
+
+A check has three outcomes: passed, failed, or not applicable (the property does not exist
+in this run, e.g. exit masses without an exit gate). Not applicable is never counted as
+passed; only a failed check makes `looplm check` exit 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..runs.checkpoint import Run
+from ..model.looped import LoopedLM, build_model
+
+PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "not applicable"
+
+STATE_GROWTH_LIMIT = 1.25
+"""Largest allowed rms(state at 2x the trained max depth) / rms(state at the trained max depth).
+A state that has settled (a fixed point, or a normalised state) gives about 1.0; 1.25 leaves room
+for a slow approach to a fixed point but flags any growth like r^p with p >= log2(1.25) = 0.32:
+linear growth (each round adds an update that never cancels, 2.0x over the doubled depth) and
+random-walk growth (sqrt, 1.41x) both fail. 2.0 would pass exactly linear growth, the failure
+seen on quickstart (state RMS 23.9 at round 1 -> 384 at round 16)."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool | None
+    """True / False; None when the check does not apply to this run (never counted as passed)."""
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.passed is not None:
+            self.passed = bool(self.passed)
+
+    @classmethod
+    def not_applicable(cls, name: str, why: str) -> "CheckResult":
+        return cls(name, None, f"not applicable: {why}")
+
+    @property
+    def status(self) -> str:
+        return NOT_APPLICABLE if self.passed is None else PASS if self.passed else FAIL
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "status": self.status, "passed": self.passed, "detail": self.detail}
+
+
+def _sample_ids(run: Run, T: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, run.tokenizer.vocab_size, (2, T), generator=g)
+    return ids.to(next(run.model.parameters()).device)
+
+
+def _logits(model: LoopedLM, idx: torch.Tensor, rounds: int) -> torch.Tensor:
+    return model(idx, rounds, generator=torch.Generator().manual_seed(0)).logits
+
+
+@torch.no_grad()
+def check_causality(run: Run) -> CheckResult:
+    model, T = run.model, min(32, run.model.cfg.context)
+    rounds_list = [run.recipe.depth.rounds] if run.recipe.model.untied else sorted({1, run.recipe.depth.rounds,
+                                                                                    run.recipe.depth.max_rounds})
+    idx = _sample_ids(run, T)
+    t = T // 2
+    changed = idx.clone()
+    changed[:, t + 1:] = _sample_ids(run, T, seed=1)[:, t + 1:]
+    worst = 0.0
+    for r in rounds_list:
+        a, b = _logits(model, idx, r), _logits(model, changed, r)
+        worst = max(worst, (a[:, :t + 1] - b[:, :t + 1]).abs().max().item())
+    return CheckResult("causality", worst <= 1e-5,
+                       f"max change of logits at positions <= {t} after changing later tokens: {worst:.2e} "
+                       f"(rounds {rounds_list})")
+
+
+def check_shared_parameters(run: Run) -> CheckResult:
+    from ..train.trainer import make_optimizer
+    model = copy.deepcopy(run.model)
+    opt = make_optimizer(model, run.recipe)
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    stored = model.params_stored()
+    in_opt = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    ok = len(ids) == len(set(ids)) and in_opt == stored
+    return CheckResult("shared_parameters_once", ok,
+                       f"{len(model.core)} core blocks stored; optimizer holds {in_opt:,} parameters, "
+                       f"stored {stored:,}; duplicates: {len(ids) - len(set(ids))}")
+
+
+@torch.no_grad()
+def check_untied_parity(run: Run) -> CheckResult:
+    recipe = run.recipe
+    if recipe.model.untied:
+        return CheckResult.not_applicable("looped_equals_untied_copies",
+                                          "the run is the untied baseline itself; there is no shared core to compare")
+    R = recipe.depth.rounds
+    untied_recipe = recipe.replace(model=dataclasses.replace(recipe.model, untied=True),
+                                   depth=dataclasses.replace(recipe.depth, kind="fixed"))
+    untied = build_model(untied_recipe).eval()
+    state, K = run.model.state_dict(), recipe.model.n_core
+    new = {}
+    for key in untied.state_dict():
+        if key.startswith("core."):
+            _, idx, rest = key.split(".", 2)
+            new[key] = state[f"core.{int(idx) % K}.{rest}"]
+        else:
+            new[key] = state[key]
+    untied.load_state_dict(new)
+    idx = _sample_ids(run, min(24, recipe.model.context))
+    diff = (_logits(run.model, idx, R) - _logits(untied, idx, R)).abs().max().item()
+    return CheckResult("looped_equals_untied_copies", diff <= 1e-4,
+                       f"max |logit difference| vs an untied stack of {K * R} copied blocks at {R} rounds: {diff:.2e}")
+
+
+@torch.no_grad()
+def check_state_stability(run: Run) -> CheckResult:
+    """Run 2x the trained max depth; fail on a non-finite state or logits, or when the state RMS
+    grows by more than STATE_GROWTH_LIMIT between the trained max depth and the end."""
+    name = "state_stable_past_training_depth"
+    if run.recipe.model.untied:
+        return CheckResult.not_applicable(name, "the untied baseline has blocks for one depth only; "
+                                                "it cannot run past it")
+    trained = run.recipe.depth.max_rounds
+    R = 2 * trained
+    out = run.model(_sample_ids(run, min(24, run.model.cfg.context)), R, collect_stats=True,
+                    generator=torch.Generator().manual_seed(0))
+    # measured here from the states themselves, not from the model's own stats
+    rms = [s.float().pow(2).mean().sqrt().item() for s in out.round_states]       # one per round
+    finite = all(torch.isfinite(torch.tensor(rms)).tolist()) and bool(torch.isfinite(out.logits).all())
+    at_trained, last = rms[trained - 1], rms[-1]
+    growth = last / at_trained if at_trained > 0 else float("inf")
+    per_round = growth ** (1 / (R - trained)) if growth < float("inf") else float("inf")
+    within = rms[trained - 1] / rms[0] if rms[0] > 0 else float("inf")
+    ok = finite and growth <= STATE_GROWTH_LIMIT
+    return CheckResult(name, ok,
+                       f"state RMS over {R} rounds (2x trained max {trained}): round 1 {rms[0]:.3g}, "
+                       f"round {trained} {at_trained:.3g}, round {R} {last:.3g}, max {max(rms):.3g}; "
+                       f"growth past the trained depth {growth:.3g}x ({per_round:.3g}x per round; "
+                       f"limit {STATE_GROWTH_LIMIT}x); growth over the trained depths (information) {within:.3g}x"
+                       + ("" if finite else "; NON-FINITE state or logits"))
+
+
+def check_flops_count_every_visit(run: Run) -> CheckResult:
+    model, T = run.model, run.recipe.data.seq_len
+    if run.recipe.model.untied:
+        return CheckResult.not_applicable("flops_count_every_visit",
+                                          "the untied baseline runs one depth only; there is no extra round to count")
+    f1, f2, f3 = (model.flops_per_token(r, T) for r in (1, 2, 3))
+    per_round = f2 - f1
+    ok = per_round > 0 and abs((f3 - f2) - per_round) <= 1e-6 * f3
+    core = model.param_groups_by_role()["core"]
+    return CheckResult("flops_count_every_visit", ok and per_round >= 6 * core,
+                       f"each extra round adds {per_round:.3e} training FLOPs per token "
+                       f"(>= 6 x {core:,} shared core parameters)")
+
+
+def _training_supervision(recipe, rounds: int):
+    """The supervision a training micro-batch of `rounds` rounds uses (train_step's `supervision`)."""
+    from ..recipe.config import SupervisionConfig
+    if recipe.data.task and recipe.data.depth_by_difficulty:
+        # taskdata.depth_plan: every round from the example's level on (from 1 at level 1 or with
+        # trace targets); the final round is always among them
+        return SupervisionConfig(kind="rounds", rounds=tuple(range(1, rounds + 1)))
+    return recipe.supervision
+
+
+def _window_rounds(recipe, rounds: int) -> tuple[int, ...]:
+    """The rounds that must receive gradient, from the recipe alone: the last min(window, R) rounds,
+    up to the last loss-bearing readout inside them (a loss only on rounds before the window trains
+    the readout alone); none in stage II, where the language model is frozen and only the gate
+    (reading each state as a constant) trains."""
+    from ..model.losses import placement
+    if recipe.train.stage == 2:
+        return ()
+    window = recipe.backward.window
+    first = 1 if window == "all" else max(1, rounds - window + 1)
+    place = placement(_training_supervision(recipe, rounds), rounds)   # learned_exit: every round
+    last = max((q for q in place.rounds if q >= first), default=0)
+    return tuple(range(first, last + 1))
+
+
+def measured_grad_rounds(model: LoopedLM, recipe, x: torch.Tensor, rounds: int
+                         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One training step's backward on a copy of `model`, as the trainer runs it (train_step: the
+    recipe's supervision placement, stage II's every-round gate loss, the backward window min'd with
+    `rounds`, the trainer's trainable parameters). x: (B, T+1) token ids; inputs x[:, :-1], targets
+    x[:, 1:].
+
+    Returns (measured, recorded): measured = the rounds whose output state autograd gave a nonzero
+    gradient; recorded = `out.grad_rounds`, what the trainer counts into backward_histogram."""
+    from ..train.trainer import Counters, train_step
+    m = copy.deepcopy(model).train()
+    trainable = (lambda n: n.startswith("gate.")) if recipe.train.stage == 2 else (lambda n: True)
+    for n, p in m.named_parameters():          # the trainer freezes all but the gate in stage II
+        p.requires_grad_(trainable(n))
+        p.grad = None
+    _, out, _ = train_step(m, recipe, x[:, :-1], x[:, 1:], step=0, micro=0, counters=Counters(),
+                           collect_stats=True, rounds=rounds, supervision=_training_supervision(recipe, rounds))
+    measured = tuple(r for r, s in enumerate(out.round_states, start=1)
+                     if s.grad is not None and bool(s.grad.detach().abs().max() > 0))
+    return measured, tuple(out.grad_rounds)
+
+
+def check_backward_window_measured(run: Run) -> CheckResult:
+    """Autograd, not the record: at the recipe's min, nominal and max depth, the rounds that receive
+    gradient in a training step must be exactly the backward window's rounds (up to the last
+    supervised one) and exactly what the trainer records."""
+    recipe = run.recipe
+    d = recipe.depth
+    depths = [d.rounds] if recipe.model.untied else sorted({d.min_rounds, d.rounds, d.max_rounds})
+    x = _sample_ids(run, min(16, run.model.cfg.context) + 1)
+    parts, ok = [], True
+    for R in depths:
+        measured, recorded = measured_grad_rounds(run.model, recipe, x, R)
+        expected = _window_rounds(recipe, R)
+        ok = ok and measured == recorded == expected
+        parts.append(f"R={R}: measured {list(measured)}, recorded {list(recorded)}, window says {list(expected)}")
+    stage2 = "; stage II: the language model is frozen" if recipe.train.stage == 2 else ""
+    return CheckResult("backward_window_measured", ok,
+                       f"rounds whose output state received nonzero gradient in one training step "
+                       f"(window {recipe.backward.window}, supervision {recipe.supervision.kind}{stage2}): "
+                       + "; ".join(parts))
+
+
+def check_backward_window(run: Run) -> CheckResult:
+    """The record being checked (not the proof; that is backward_window_measured): report.json's
+    backward_histogram must respect the window given the sampled depths."""
+    name = "backward_window_recorded"
+    hist = {int(k): v for k, v in run.report.get("backward_histogram", {}).items()}
+    depth = {int(k): v for k, v in run.report.get("depth_histogram", {}).items()}
+    if not hist or not depth:
+        return CheckResult(name, False, "report.json lacks backward_histogram or depth_histogram")
+    window = run.recipe.backward.window
+    limit = max(depth) if window == "all" else window
+    # what the histogram must be, given the sampled depths, if every step of depth R back-propagated
+    # the window's rounds for R
+    implied: dict[int, int] = {}
+    for r, n in depth.items():
+        k = len(_window_rounds(run.recipe, r))
+        implied[k] = implied.get(k, 0) + n
+    ok = max(hist) <= limit and hist == implied
+    return CheckResult(name, ok,
+                       f"record: gradient-visible rounds {dict(sorted(hist.items()))} (window {window}; every key "
+                       f"must be <= {limit}); sampled depths {dict(sorted(depth.items()))} imply "
+                       f"{dict(sorted(implied.items()))}")
+
+
+@torch.no_grad()
+def check_exit_masses(run: Run) -> CheckResult:
+    if run.model.gate is None:
+        return CheckResult.not_applicable("exit_masses_conserved", "the model has no exit gate")
+    from ..halting import hazards_to_masses
+    R = run.recipe.depth.max_rounds
+    out = run.model(_sample_ids(run, 16), R)
+    masses = hazards_to_masses(out.hazards)
+    err = (masses.sum(-1) - 1).abs().max().item()
+    return CheckResult("exit_masses_conserved", err <= 1e-5 and (masses >= 0).all().item(),
+                       f"max |sum of exit masses - 1| = {err:.1e} over {R} rounds; last round takes the remainder")
+
+
+def check_token_accounting(run: Run) -> CheckResult:
+    r = run.report
+    if "token_passes" not in r:
+        return CheckResult("tokens_vs_token_passes", False, "report.json lacks token_passes")
+    depth = {int(k): v for k, v in r["depth_histogram"].items()}
+    per_micro = r["tokens_seen"] // max(1, sum(depth.values()))
+    expected = sum(k * v for k, v in depth.items()) * per_micro
+    ok = r["token_passes"] == expected and r["unique_tokens"] <= r["train_data_tokens"]
+    return CheckResult("tokens_vs_token_passes", ok,
+                       f"unique tokens {r['unique_tokens']:,}; tokens consumed {r['tokens_seen']:,}; "
+                       f"token-passes {r['token_passes']:,} (= sum of sampled rounds x tokens per micro-batch: {expected:,})")
+
+
+CHECKS: list[Callable[[Run], CheckResult]] = [
+    check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
+    check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
+    check_token_accounting,
+]
+
+
+def run_checks(run: Run) -> list[CheckResult]:
+    return [check(run) for check in CHECKS]

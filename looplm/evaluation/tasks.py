@@ -1,0 +1,239 @@
+"""Task evaluation: exact-match accuracy and answer-token loss by difficulty x rounds.
+
+The one scoring path for task runs: the trainer's report (`task_report`), `looplm eval` on a task
+run (with or without `--data FILE.jsonl`), the extrapolation experiment and early exit on task
+examples all go through `score_task_sets` / `evaluate_examples_exit`.
+"""
+
+from __future__ import annotations
+
+import time
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..data.tasks import ANSWER_END, SEPARATOR, Example
+from ..data.taskdata import TaskSampler, TaskSource, encode_examples, format_for_training
+from ..errors import UserError
+from ..model.losses import token_losses
+from ..recipe.config import Recipe
+
+def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[int]) -> dict[int, torch.Tensor]:
+    """round -> (B, T, V) logits. A looped model reads every round out of one forward pass at the
+    largest depth (a fixed generator keeps a random initial state reproducible); a model without
+    rounds (the LSTM) gives the same logits for every entry."""
+    from ..model.looped import LoopedLM
+
+    param = next(model.parameters(), None)  # a model without parameters (a test's table) stays where x is
+    if param is not None:
+        x = x.to(param.device)
+    if isinstance(model, LoopedLM):
+        out = model(x, max(rounds_list), readout_rounds=tuple(rounds_list),
+                    generator=torch.Generator().manual_seed(0))
+        return out.round_logits
+    logits = model(x)
+    return {r: logits for r in rounds_list}
+
+
+@torch.no_grad()
+def _score(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
+           batch_size: int, separator: bool) -> tuple[dict[int, int], dict[int, float], int]:
+    """(exact matches, summed answer-token loss) by rounds, and the answer tokens scored."""
+    model.eval()
+    correct = {r: 0 for r in rounds_list}
+    loss_sum = {r: 0.0 for r in rounds_list}
+    tokens = 0
+    context = getattr(getattr(model, "cfg", None), "context", None)
+    for i in range(0, len(examples), batch_size):
+        b = encode_examples(tok, examples[i:i + batch_size], context, separator)
+        for r, logits in logits_by_rounds(model, b.x, rounds_list).items():
+            y, mask = b.y.to(logits.device), b.mask.to(logits.device)
+            hit = (logits.argmax(-1) == y) | ~mask              # (B, T)
+            correct[r] += int(hit.all(-1).sum())
+            loss_sum[r] += token_losses(logits, y, mask).sum().item()
+        tokens += int(b.mask.sum())
+    return correct, loss_sum, tokens
+
+
+def _rates(correct: dict[int, int], loss_sum: dict[int, float], n: int, tokens: int) -> dict[int, dict[str, float]]:
+    return {r: {"accuracy": correct[r] / max(1, n), "loss": loss_sum[r] / max(1, tokens)} for r in correct}
+
+
+def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
+                      batch_size: int = 64, separator: bool = True) -> dict[int, dict[str, float]]:
+    """rounds -> {"accuracy": exact match, "loss": mean answer-token loss} over `examples`."""
+    correct, loss_sum, tokens = _score(model, tok, examples, rounds_list, batch_size, separator)
+    return _rates(correct, loss_sum, len(examples), tokens)
+
+
+def score_task_sets(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]], rounds_list: list[int],
+                    batch_size: int = 64, separator: bool = True) -> dict[str, Any]:
+    """The task evaluation of the trainer's report and of `looplm eval` on a task run:
+    {"rounds": rounds -> {"accuracy", "loss"} over every example (loss per answer token),
+     "by_difficulty": difficulty -> rounds -> {"accuracy", "loss"},
+     "examples": difficulty -> examples scored}."""
+    by_level: dict[int, dict[int, dict[str, float]]] = {}
+    correct = {r: 0 for r in rounds_list}
+    loss_sum = {r: 0.0 for r in rounds_list}
+    tokens = n = 0
+    for d, exs in sorted(eval_sets.items()):
+        c, ls, t = _score(model, tok, exs, rounds_list, batch_size, separator)
+        by_level[d] = _rates(c, ls, len(exs), t)
+        for r in rounds_list:
+            correct[r] += c[r]
+            loss_sum[r] += ls[r]
+        tokens, n = tokens + t, n + len(exs)
+    return {"rounds": _rates(correct, loss_sum, n, tokens), "by_difficulty": by_level,
+            "examples": {d: len(exs) for d, exs in sorted(eval_sets.items())}}
+
+
+@torch.no_grad()
+def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Example], policy: Any, rounds: int,
+                           batch_size: int = 64, separator: bool = True) -> dict[str, float]:
+    """Exact match and answer loss under a per-token exit policy, with the rounds it used.
+
+    The prompt runs all `rounds` rounds (as a prefill would); the positions that predict answer
+    tokens (the prompt's last token and the answer's) exit by the policy, and the rounds after
+    their exit are not computed (evaluation.early_exit). mean_rounds averages over those positions,
+    mean_rounds_first_token over the positions that predict the answer's first token; wall_time_s
+    times the early-exit forward passes."""
+    from ..evaluation.early_exit import early_exit
+
+    model.eval()
+    correct, loss_sum, tokens, used, used_first, wall = 0, 0.0, 0, 0, 0, 0.0
+    device = next(model.parameters()).device
+    for i in range(0, len(examples), batch_size):
+        b = encode_examples(tok, examples[i:i + batch_size], getattr(model.cfg, "context", None), separator)
+        b = dataclasses.replace(b, **{f: getattr(b, f).to(device) for f in ("x", "y", "mask")})
+        t0 = time.perf_counter()
+        out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask)
+        wall += time.perf_counter() - t0
+        hit = (out.logits.argmax(-1) == b.y) | ~b.mask                          # (B, T)
+        correct += int(hit.all(-1).sum())
+        loss_sum += token_losses(out.logits, b.y, b.mask).sum().item()
+        tokens += int(b.mask.sum())
+        used += int(out.rounds_used[b.mask].sum())
+        first = torch.tensor([p - 1 for p in b.prompt_lens])                    # predicts the answer's first token
+        used_first += int(out.rounds_used[torch.arange(len(first)), first].sum())
+    n = max(1, len(examples))
+    return {"accuracy": correct / n, "loss": loss_sum / max(1, tokens), "mean_rounds": used / max(1, tokens),
+            "mean_rounds_first_token": used_first / n, "wall_time_s": wall}
+
+
+def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]],
+                   rounds_list: list[int], batch_size: int = 64,
+                   separator: bool = True) -> dict[int, dict[int, dict[str, float]]]:
+    """difficulty -> rounds -> {"accuracy", "loss"} (score_task_sets's by_difficulty)."""
+    return score_task_sets(model, tok, eval_sets, rounds_list, batch_size, separator)["by_difficulty"]
+
+
+@torch.no_grad()
+def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds: int | None = None,
+                   max_new_tokens: int = 16, batch_size: int = 64, separator: bool = True) -> list[str]:
+    """Greedy answers to prompts (the separator is appended here unless separator=False), each up to its newline.
+
+    Rows are right-padded; each row's next token is read at its own last position, which
+    causal attention makes independent of the padding after it."""
+    model.eval()
+    eos, newline = tok.eos_id, tok.encode(ANSWER_END)
+    if len(newline) != 1:
+        raise UserError("greedy_answers needs a tokenizer that encodes the newline as one token")
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        ids = [tok.encode(p + (SEPARATOR if separator else "")) for p in prompts[start:start + batch_size]]
+        B, lens = len(ids), torch.tensor([len(i) for i in ids])
+        buf = torch.full((B, int(lens.max()) + max_new_tokens), eos, dtype=torch.long)
+        for i, row in enumerate(ids):
+            buf[i, :len(row)] = torch.tensor(row)
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            T = int(lens.max())
+            r = rounds if rounds is not None else getattr(model, "nominal_rounds", 1)
+            logits = logits_by_rounds(model, buf[:, :T], [r])[r]          # (B, T, V)
+            nxt = logits[torch.arange(B), lens - 1].argmax(-1).cpu()     # (B,)
+            for i in range(B):
+                if done[i]:
+                    continue
+                out[i].append(int(nxt[i]))
+                buf[i, lens[i]] = nxt[i]
+                lens[i] += 1
+                done[i] = int(nxt[i]) == newline[0]
+            if bool(done.all()):
+                break
+        answers += [tok.decode(o[:-1] if o and o[-1] == newline[0] else o) for o in out]
+    return answers
+
+
+def prompt_tokens_by_difficulty(tok: Any, eval_sets: dict[int, list[Example]],
+                                separator: bool = True) -> dict[int, float]:
+    """Mean prompt tokens per difficulty (the length dial, reported apart from difficulty)."""
+    return {d: sum(len(tok.encode(format_for_training(ex, separator)[0])) for ex in exs) / max(1, len(exs))
+            for d, exs in eval_sets.items()}
+
+
+def markdown_table(table: dict[int, dict[int, float]], corner: str = "difficulty \\ rounds") -> str:
+    """difficulty -> rounds -> accuracy as a Markdown table (percent)."""
+    rounds = sorted({r for row in table.values() for r in row})
+    lines = [f"| {corner} | " + " | ".join(str(r) for r in rounds) + " |",
+             "|---:|" + "---:|" * len(rounds)]
+    for d, row in sorted(table.items()):
+        cells = [f"{100 * row[r]:.0f}" if r in row else "" for r in rounds]
+        lines.append(f"| {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, source: TaskSource,
+                rounds_list: list[int]) -> dict[str, Any]:
+    """The trainer's report fields for task data: answer loss and exact match by rounds, the
+    accuracy table by difficulty x rounds (with prompt lengths reported apart), and which
+    difficulties were trained and evaluated, with examples per difficulty."""
+    eval_sets = source.eval_sets(recipe.data.eval_examples)
+    sep = recipe.data.separator
+    scores = score_task_sets(model, sampler.tok, eval_sets, rounds_list, separator=sep)
+    overall = scores["rounds"]
+    acc = {d: {r: v["accuracy"] for r, v in row.items()} for d, row in scores["by_difficulty"].items()}
+    lengths = prompt_tokens_by_difficulty(sampler.tok, eval_sets, sep)
+    difficulties = {
+        "trained": source.train_levels,
+        "evaluated": sorted(eval_sets),
+        "train_examples": None if source.train_counts is None else {str(d): n for d, n in source.train_counts.items()},
+        "eval_examples": {str(d): n for d, n in scores["examples"].items()},
+        "unused_examples": {str(d): n for d, n in source.unused_counts.items()},
+    }
+    if source.builtin:
+        trained = (f"trained on difficulties {source.train_levels[0]}..{source.train_levels[-1]} (fresh examples "
+                   f"every batch)")
+    else:
+        trained = ("trained on the file's lines by difficulty: " + ", ".join(f"{d}: {n}" for d, n in
+                                                                            source.train_counts.items())
+                   if source.levelled else f"the file gives no difficulties (every line reads as 0); trained on "
+                                           f"{sum(source.train_counts.values())} of its lines")
+        if source.unused_counts:
+            trained += ("; lines outside the trained and evaluated difficulties, unused: "
+                        + ", ".join(f"{d}: {n}" for d, n in source.unused_counts.items()))
+    note = (f"Task `{recipe.data.task}`, exact match (%) on held-out examples by difficulty ("
+            + ", ".join(f"{d}: {n}" for d, n in scores["examples"].items()) + f"); {trained}. "
+            f"Prompt length: {'as in the file' if source.length is None else f'{source.length} items'}; mean prompt "
+            f"tokens by difficulty: " + ", ".join(f"{d}: {n:.0f}" for d, n in lengths.items()) + ".")
+    report = {
+        "val": {r: {"loss": v["loss"]} for r, v in overall.items()},
+        "val_accuracy_by_rounds": {str(r): v["accuracy"] for r, v in overall.items()},
+        "task": recipe.data.task,
+        "task_accuracy": {str(d): {str(r): a for r, a in row.items()} for d, row in acc.items()},
+        "task_difficulties": difficulties,
+        "prompt_length_items": source.length,
+        "prompt_tokens_by_difficulty": {str(d): n for d, n in lengths.items()},
+        "train_data_tokens": source.train_token_count() or sampler.unique_tokens(),
+        "sections": [{"title": "Task accuracy by difficulty x rounds", "markdown": note + "\n\n" + markdown_table(acc)}],
+    }
+    if recipe.data.depth_by_difficulty:  # the recipe card's depth/supervision lines are overridden
+        report["sections"].insert(0, {"title": "Depth by difficulty", "markdown": (
+            "data.depth_by_difficulty is on: each micro-batch held one difficulty d, ran a number of rounds drawn "
+            "uniformly from max(d, depth.min)..depth.max (an untied model: its fixed depth), and supervised "
+            + ("every round with equal weights, round r < d on the example's trace (the intermediate result after "
+               "r steps) and the final round and rounds from d on on the answer"
+               if recipe.data.round_targets == "trace" else "every round from d on with equal weights")
+            + ". The sampled-depth and supervised-round histograms above count what actually ran.")})
+    return report

@@ -1,0 +1,1 @@
+"""Experiments built from recipes: extrapolate.py (`looplm experiment extrapolate`)."""

@@ -1,0 +1,432 @@
+"""Cached generation for looped models: prefill, decode, exits, sampling, streaming, speculation.
+
+    engine = Engine(model, tokenizer, GenerationConfig(exit="entropy:1.5", decode_cache="last"))
+    for ev in engine.stream(["Hello", "A longer prompt"], SamplingParams(max_new_tokens=32)):
+        print(ev.row, repr(ev.text))           # streamed text deltas, one event per token per row
+    done = engine.generate(["Hello"], SamplingParams(temperature=0.8, top_p=0.9, seed=1))
+
+How a batch runs. Prompts of different lengths are left-padded into shared cache columns; each
+row keeps its own RoPE positions (column - pad) and never attends to its pad columns, so a row's
+result does not depend on its batch mates. The prompt is one chunk through prelude -> R rounds
+-> coda (`LoopKVCache` stores per-round keys/values); each new token is a chunk of one column.
+Rows that have finished (eos, a stop string, their max_new_tokens) are left out of later chunks,
+and `DecodeBatch.join` (batch.py) places a new prompt in a free row, right-aligned to the running
+rows' column (continuous batching; `Engine.batch` opens one, the server keeps several).
+
+Exit policies (`fixed:R`, `quantile:Q`, `entropy:TAU`, `kl:EPS`) are decided per token after
+every round by `halting.ExitController`, the one controller evaluation (evaluation/early_exit.py) and
+speculative exit drafts use too; a row that exits stops computing (the remaining rows continue as
+a smaller batch), and the rounds each token ran are returned. Tokens that exited early leave
+holes in later rounds' history, which the cache fills by copy-forward or masks, as configured
+(`missing`); a token's coda entry is its exit-round readout's. `looplm eval --exit` computes
+the same function (tested with a coda).
+
+Random initial loop states (Huginn) are drawn from a per-row table indexed by the token's
+position and seeded by the request seed, so cached, batched and token-by-token decoding all see
+the same noise and one seed reproduces one output.
+
+Self-speculative decoding (`speculative="ROUNDS:K"` or `"exit:K"`, batch 1) drafts shallow and
+verifies at full depth through the same chunks (speculative.py).
+
+Speed. The model's math runs through `Kernels` (kernels.py): the same arithmetic as the
+model's modules (parity with `model(idx)` is tested) with fused q/k/v and gate/up matmuls,
+pre-laid-out weights and no module calls; the cache is written in place and read as views.
+Per decoded token the Python loop does one chunk call and one sampling call (sampler.py: per-row
+sampling and text); text is decoded only when streaming or when stop strings are set. The
+no-cache reference (`inference/reference.py`) uses the same position-indexed noise table
+(`model.initial_noise_table`), so parity holds for every initial state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .cache import MISSING, LoopKVCache, check_policy
+from ..model.recurrence import unroll
+from ..errors import UserError
+from ..halting import ExitController, ExitPolicy, parse_exit_policy
+from .kernels import Kernels, rope_rows
+from ..model.looped import initial_noise_table
+from .sampler import SamplingParams, TokenEvent, is_int, positions_run
+from .batch import DecodeBatch
+from .speculative import SpeculativeRun, parse_speculative
+
+__all__ = ["Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """Engine settings shared by every row of a batch."""
+
+    rounds: int | None = None
+    """Most rounds per token (default: the model's nominal depth, or R of an exit policy fixed:R)."""
+    exit: str = "fixed"
+    """Exit policy: fixed (all rounds), fixed:R, quantile:Q, entropy:TAU or kl:EPS."""
+    prefill_cache: str = "full"
+    """What prompt tokens leave in the cache: full, first, last or average."""
+    decode_cache: str = "full"
+    """What generated tokens leave in the cache: full, first, last or average."""
+    missing: str = "copy_forward"
+    """Under full, what later rounds read for a token that exited early: copy_forward or mask."""
+    speculative: str | None = None
+    """"ROUNDS:K": draft K tokens with ROUNDS rounds, verify at full depth (batch 1); "exit:K":
+    the drafts stop by the exit policy (which then decides nothing else: the output is full-depth)."""
+    min_rounds: int = 1
+    """Exit policies never stop before this round."""
+    exit_in_prefill: bool = False
+    """Let prompt tokens exit early too (the prompt then runs token by token)."""
+
+
+@dataclass
+class Completion:
+    """One row's result (what `Engine.generate` returns, one per prompt)."""
+
+    text: str
+    tokens: list[int]
+    rounds_used: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    logprobs: list[float] | None = None
+    """Each token's log-probability, when its SamplingParams asked (`logprobs`)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the likeliest tokens and their log-probabilities (as many as asked)."""
+    prompt_logprobs: list[float | None] | None = None
+    """Each prompt token's log-probability (None for the first), when asked (`prompt_logprobs`)."""
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    """Per prompt token, the likeliest tokens at its position (None for the first), when asked."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    """Batch timings and counters: prefill_tokens_per_s, decode_tokens_per_s, ttft_s, ...; shared by the batch."""
+
+
+class Engine:
+    """Generation with a static per-round KV cache over a `LoopedLM` (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: GenerationConfig | None = None):
+        config = config or GenerationConfig()
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.cfg = model.cfg
+        check_policy(config.prefill_cache, "--prefill-cache")
+        check_policy(config.decode_cache, "--decode-cache")
+        if config.missing not in MISSING:
+            raise UserError(f"--missing-kv {config.missing!r}: expected one of {', '.join(MISSING)}")
+        if config.rounds is not None and (not is_int(config.rounds) or config.rounds < 1):
+            raise UserError(f"--rounds {config.rounds!r}: must be an integer >= 1")
+        text = config.exit.strip()
+        if text == "fixed":
+            text = f"fixed:{config.rounds or model.nominal_rounds}"
+        self.policy: ExitPolicy = parse_exit_policy(text, min_rounds=config.min_rounds,
+                                                    exit_in_prefill=config.exit_in_prefill)
+        if self.policy.kind == "fixed":
+            if config.rounds is not None and config.rounds != self.policy.value:
+                raise UserError(f"--rounds {config.rounds} disagrees with --exit {self.policy}")
+            self.rounds = int(self.policy.value)
+        else:
+            self.rounds = config.rounds or model.nominal_rounds
+        if self.cfg.untied and self.rounds != model.nominal_rounds:
+            raise UserError(f"--rounds: this untied baseline runs exactly {model.nominal_rounds} rounds")
+        if self.policy.kind == "quantile" and model.gate is None:
+            raise UserError(f"--exit {self.policy}: quantile needs a model trained with an exit gate (exit.gate)")
+        self.adaptive = self.policy.kind != "fixed"
+        self.speculative: tuple[int | None, int] | None = None    # (draft rounds or None: by the exit policy, K)
+        if config.speculative:
+            self.speculative = parse_speculative(config.speculative, self.rounds)
+            if self.speculative[0] is None and not self.adaptive:
+                raise UserError(f"--speculative {config.speculative}: exit drafts stop by an early-exit policy; pass "
+                                f"--exit entropy:TAU, kl:EPS or quantile:Q (the output stays full-depth)")
+            if self.speculative[0] is not None and self.adaptive:
+                raise UserError(f"--speculative verifies at full depth; drafts of a fixed ROUNDS cannot be combined "
+                                f"with the early-exit policy {self.policy} (from --exit or the recipe's exit.policy); "
+                                f"pass --exit fixed, or draft with the policy: --speculative exit:K")
+            if config.decode_cache != "full":
+                raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
+        self.last_stats: dict[str, Any] = {}
+        self._fast: Kernels | None = None
+
+    @classmethod
+    def from_run(cls, run: Any, config: GenerationConfig | None = None, **overrides: Any) -> "Engine":
+        """An engine for a loaded run; the recipe's exit settings are the defaults."""
+        ex = run.recipe.exit
+        base = dict(exit=ex.policy, min_rounds=ex.min_rounds, exit_in_prefill=ex.exit_in_prefill)
+        if config is not None:
+            base.update({k: getattr(config, k) for k in config.__dataclass_fields__})
+        base.update(overrides)
+        return cls(run.model, run.tokenizer, GenerationConfig(**base))
+
+    # -- public API -----------------------------------------------------------------------
+    def stream(self, prompts: Sequence[str | Sequence[int]] | str,
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenEvent]:
+        """Yield one TokenEvent per generated token per row, as soon as it is sampled."""
+        ids, plist = self.prepare(prompts, params)
+        return _events(self._open(ids, plist, deltas=True))
+
+    def batch(self, prompts: Sequence[str | Sequence[int]] | str,
+              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+              length: int | None = None, capacity: int | None = None,
+              prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
+        """A batch to advance one step at a time: `step()` returns that step's TokenEvents and
+        `finished` says when every row is done. A plain engine's DecodeBatch also takes new
+        prompts into free rows (`join`): `capacity` rows in all (default: one per prompt) and
+        `length` cache columns (default: what these prompts need; more leaves room for prompts
+        that join later). `prefill_chunk`: prefill at most this many columns per `step()` (those
+        steps return no events), so that a server can advance its other batches in between."""
+        ids, plist = self.prepare(prompts, params)
+        return self._open(ids, plist, deltas=True, length=length, capacity=capacity, prefill_chunk=prefill_chunk)
+
+    def _open(self, ids: list[list[int]], plist: list[SamplingParams], deltas: bool, length: int | None = None,
+              capacity: int | None = None, prefill_chunk: int | None = None) -> "DecodeBatch | SpeculativeRun":
+        if self.speculative is not None:
+            if len(ids) != 1:
+                raise UserError("--speculative decodes one prompt at a time (batch 1)")
+            return SpeculativeRun(self, ids, plist, deltas)
+        return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Generate for every prompt (one batch); one Completion per prompt, in order."""
+        ids, plist = self.prepare(prompts, params)
+        events = _events(self._open(ids, plist, deltas=False))
+        toks: list[list[int]] = [[] for _ in ids]
+        rounds: list[list[int]] = [[] for _ in ids]
+        texts = [""] * len(ids)
+        reasons = ["length"] * len(ids)
+        lps: list[list[float]] = [[] for _ in ids]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in ids]
+        prompt: dict[int, TokenEvent] = {}                   # each row's first event (prompt_logprobs)
+        for ev in events:
+            prompt.setdefault(ev.row, ev)
+            toks[ev.row].append(ev.token)
+            rounds[ev.row].append(ev.rounds)
+            texts[ev.row] += ev.text
+            if ev.finish_reason:
+                reasons[ev.row] = ev.finish_reason
+            if ev.logprob is not None:
+                lps[ev.row].append(ev.logprob)
+                tops[ev.row].append(ev.top_logprobs or [])
+        stats = dict(self.last_stats)
+        return [Completion(text=texts[b], tokens=toks[b], rounds_used=rounds[b], finish_reason=reasons[b],
+                           prompt_tokens=len(ids[b]), stats=stats,
+                           logprobs=lps[b] if plist[b].logprobs is not None else None,
+                           top_logprobs=tops[b] if plist[b].logprobs is not None else None,
+                           prompt_logprobs=prompt[b].prompt_logprobs if b in prompt else None,
+                           prompt_top_logprobs=prompt[b].prompt_top_logprobs if b in prompt else None)
+                for b in range(len(ids))]
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0, seeds: Sequence[int] | None = None
+                        ) -> list[tuple[list[float | None], list[list[tuple[int, float]] | None]]]:
+        """Per prompt: each token's log-probability given the tokens before it and the `top`
+        likeliest tokens' at its position (None for the first token), from this engine's prefill
+        of the prompts as one batch (`SamplingParams.prompt_logprobs`; `seeds`: each row's random
+        initial state, default 0)."""
+        ids, plist = self.prepare(list(prompts), [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top,
+                                                                  stop_at_eos=False)
+                                                   for sd in (seeds or [0] * len(prompts))])
+        events = DecodeBatch(self, ids, plist, deltas=False).step()     # batched prefill, even when speculative
+        return [(ev.prompt_logprobs or [], ev.prompt_top_logprobs or []) for ev in sorted(events, key=lambda ev: ev.row)]
+
+    def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
+        c = self.config
+        p = next(self.model.parameters())
+        return LoopKVCache(self.cfg, batch=batch, length=length, rounds=self.rounds, prefill=c.prefill_cache,
+                           decode=c.decode_cache, missing=c.missing, pad=pad, dtype=p.dtype, device=p.device)
+
+    # -- preparation ----------------------------------------------------------------------
+    def token_ids(self, prompts: Any) -> list[list[int]]:
+        """Prompts (a text, texts or lists of token ids) as checked token ids: UserError for an
+        empty prompt, text without a tokenizer, or ids outside the vocabulary."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not prompts:
+            raise UserError("prompt: at least one prompt is needed")
+        ids: list[list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise UserError("prompt: text prompts need a tokenizer; pass token ids instead")
+                p = self.tokenizer.encode(p)
+            p = [int(t) for t in p]
+            if not p:
+                raise UserError("prompt: must not be empty")
+            if min(p) < 0 or max(p) >= self.cfg.vocab_size:
+                raise UserError(f"prompt: token ids must lie in 0..{self.cfg.vocab_size - 1}")
+            ids.append(p)
+        return ids
+
+    def prepare(self, prompts: Any, params: Any) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Checked token ids (`token_ids`) and one SamplingParams per prompt: UserError when a
+        prompt plus its max_new_tokens exceed the context or a logit_bias id is out of range."""
+        ids = self.token_ids(prompts)
+        params = params or SamplingParams()
+        plist = [params] * len(ids) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(ids):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
+        ctx = self.cfg.context
+        for p, sp in zip(ids, plist):
+            if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:        # sorted: the largest id
+                raise UserError(f"logit_bias: token id {sp.logit_bias[-1][0]} is outside the vocabulary "
+                                f"(0..{self.cfg.vocab_size - 1})")
+            if positions_run(len(p), sp.max_new_tokens) > ctx:
+                raise UserError(f"prompt: {len(p)} prompt tokens + {sp.max_new_tokens} new tokens exceed "
+                                f"the model context of {ctx} (positions run: prompt + new tokens - 1)")
+        return ids, plist
+
+    # -- the chunk API: what DecodeBatch, SpeculativeRun and cache evaluation build on --------
+    #
+    #   engine.kernels()                                  once per generation: fresh fused kernels
+    #   cache = engine.new_cache(B, L, pad)               the per-round KV cache (cache.KVCache)
+    #   noise = engine.initial_noise(params, ref)         per-row initial states by position, or None
+    #   logits, used = engine.run_chunk(idx, start, cache, noise=noise, ...)     one chunk, committed
+    #
+    # `chunk_inputs` is the first half of `run_chunk` (after `cache.begin`: RoPE tables, prelude,
+    # initial state), for callers that run the rounds themselves (speculative verification).
+
+    def initial_noise(self, plist: Sequence[SamplingParams], ref: Tensor) -> Tensor | None:
+        """(B, context, d) initial loop states by position, one table per row seeded by its
+        params' seed (random initial state only; None otherwise). Pass it to `run_chunk`."""
+        cfg = self.cfg
+        if cfg.init_state != "random":
+            return None
+        tables = [initial_noise_table(cfg, sp.seed) for sp in plist]
+        return torch.stack(tables).to(device=ref.device, dtype=ref.dtype)
+
+    def run_chunk(self, idx: Tensor, start: int, cache: LoopKVCache, *, phase: str = "decode",
+                  rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,
+                  commit: bool = True, rows: Tensor | None = None,
+                  trace: list[tuple[Tensor, Tensor]] | None = None,
+                  may_exit: Tensor | None = None) -> tuple[Tensor, Tensor | int]:
+        """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`).
+
+        Returns (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at the last
+        column; rounds_used an int, or (B,) when the exit policy decided per row (decode chunks
+        of one column; prefill ones too with exit_in_prefill). `phase`: "prefill" for prompt
+        tokens (the prefill cache policy, and no exits unless the policy allows them) or
+        "decode". `rounds` forces a fixed depth (speculative drafts). `noise`: the rows' initial
+        states from `initial_noise`. `commit=False` leaves the chunk open (a draft that
+        verification overwrites). `rows`: the cache rows idx's rows belong to (default all;
+        finished rows are left out). `trace` (fixed depth): gets (prelude output, state after
+        the last round), both (B, T, d). `may_exit` (B,) bool: only these rows may exit early
+        (the others run every round; evaluation of task answers)."""
+        k = self._fast or self.kernels()
+        T = idx.shape[1]
+        cache.begin(start, T, phase, rows)
+        rope, e, s = self.chunk_inputs(idx, start, cache, noise, rows)
+        exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
+        if not exits:
+            R = rounds or self.rounds
+            s = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R).state
+            if trace is not None:
+                trace.append((e, s))
+            logits = k.readout(s, rope, cache, R, all_logits)
+            if commit:
+                cache.commit(R)
+            return logits, R
+        if T != 1:
+            raise ValueError("per-token exits run one column at a time")
+        if may_exit is not None and rows is not None:          # the controller counts cache rows
+            may_exit = torch.ones(cache.batch, dtype=torch.bool, device=may_exit.device).index_put((rows,), may_exit)
+        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows, may_exit)    # (cache rows, ...)
+        if commit:
+            cache.commit(used)
+        return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
+
+    def chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
+                     rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
+        """After `cache.begin(start, T, phase, rows)`: the chunk's RoPE tables, prelude output e
+        and initial state s, (B, T, d) each (the prelude writes its cache entries)."""
+        m, k = self.model, self._fast or self.kernels()
+        B, T = idx.shape
+        positions = None
+        if cache.chunk_padded:                     # these rows have pad columns: positions per row
+            cols = torch.arange(start, start + T, device=idx.device)
+            pad = cache.pad if rows is None else cache.pad[rows]
+            positions = (cols[None, :] - pad[:, None]).clamp_min(0)             # (B, T)
+        rope = k.rope(start, T, positions)
+        e = k.encode(idx, rope, cache)                                          # (B, T, d)
+        if noise is not None:
+            r = torch.arange(B, device=noise.device) if rows is None else rows.to(noise.device)  # (B,) table rows
+            s = noise[r, start:start + T] if positions is None else noise[r[:, None], positions]   # (B, T, d)
+        else:
+            s = m.initial_state(e)
+        return rope, e, s
+
+    def kernels(self) -> "Kernels":
+        """The fused kernels the chunks run on, rebuilt when a model weight changed in place since
+        they were made. Call it when a generation starts: chunks reuse them without the check."""
+        if self._fast is None or self._fast.stale():
+            self._fast = Kernels(self.model)
+        return self._fast
+
+    def _rounds_with_exits(self, s: Tensor, e: Tensor, rope: Any, cache: LoopKVCache, phase: str,
+                           rows: Tensor | None, may_exit: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Run up to R rounds for one column; each row stops where `ExitController` says. s holds
+        the cache rows `rows` (None = all); the results are indexed by cache row: logits
+        (cache.batch, V) and rounds used (cache.batch,), R for rows that did not run.
+
+        A row's coda entry in the cache is its exit-round readout's (the coda slot is one per
+        block, the last write wins), which is what later tokens' codas read: entropy/kl rows
+        are read out at the controller's read rounds, the last being their exit round; fixed and
+        quantile rows are read out once, at their exit round."""
+        m, k, policy, R = self.model, self._fast or self.kernels(), self.policy, self.rounds
+        n = cache.batch
+        if rows is None:
+            rows = torch.arange(n, device=s.device)     # cache rows still computing
+        ctl = ExitController(policy, R, n, prefill=phase == "prefill", may_exit=may_exit, device=s.device)
+        out = torch.zeros(n, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
+        for r in range(1, R + 1):
+            s = k.core_step(s, e, r, rope, cache)
+            logits = k.readout(s, rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
+            hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                     # (B',)
+            stop = ctl.decide(r, rows, hazard=hazard, logits=logits)                      # (B',)
+            if bool(stop.any()):
+                done = rows[stop]
+                if logits is None:  # the exiting rows read out now (their coda entry is this round's)
+                    cache.select(done)
+                    out[done] = k.readout(s[stop], rope_rows(rope, stop), cache, r, False)
+                keep = ~stop
+                if not bool(keep.any()):
+                    break
+                rows, s, e, rope = rows[keep], s[keep], e[keep], rope_rows(rope, keep)
+                cache.select(rows)
+        if ctl.read_rounds:
+            out = ctl.logits                                    # each row's exit-round readout
+        return out, ctl.exit_round.cpu()
+
+def _events(run: "DecodeBatch | SpeculativeRun") -> Iterator[TokenEvent]:
+    """A batch's events, step after step, until it finishes."""
+    while not run.finished:
+        yield from run.step()
+
+
+def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+                     rounds: int | None = None, exit: str | None = None, prefill_cache: str | None = None,
+                     decode_cache: str | None = None, missing: str | None = None, speculative: str | None = None,
+                     top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     stop: Sequence[str] = (), logprobs: int | None = None,
+                     logit_bias: dict[int, float] | None = None) -> dict[str, Any]:
+    """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details."""
+    overrides = {k: v for k, v in dict(rounds=rounds, exit=exit, prefill_cache=prefill_cache,
+                                       decode_cache=decode_cache, missing=missing,
+                                       speculative=speculative).items() if v is not None}
+    engine = Engine.from_run(run, **overrides)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
+                            top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logit_bias=logit_bias or {}, stop=tuple(stop),
+                            logprobs=logprobs)
+    out = engine.generate([prompt], params)[0]
+    st = out.stats
+    result = {"text": out.text, "tokens": out.tokens, "rounds_used": out.rounds_used,
+              "prefill_tokens_per_s": st["prefill_tokens_per_s"], "decode_tokens_per_s": st["decode_tokens_per_s"],
+              "ttft_s": st["ttft_s"], "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+              "mean_rounds": sum(out.rounds_used) / max(len(out.rounds_used), 1), "max_rounds": engine.rounds,
+              "exit": st["exit"], "prefill_cache": st["prefill_cache"], "decode_cache": st["decode_cache"],
+              "missing_kv": st["missing"], "cache_bytes": st["cache_bytes"]}
+    if "speculative" in st:
+        result["speculative"] = st["speculative"]
+    if out.logprobs is not None:
+        result["logprobs"], result["top_logprobs"] = out.logprobs, out.top_logprobs
+    return result

@@ -1,0 +1,288 @@
+"""The looped language model: prelude -> shared core x R rounds -> coda -> LM head.
+
+    e = prelude(embed(tokens))                 # untied blocks, run once
+    s = initial_state(e)                       # zeros | e | N(0, std^2)   (Huginn)
+    repeat R rounds (looplm.unroll):
+        s = core(inject(s, e))                 # the same K blocks every round
+    logits = head(norm(coda(s)))               # untied blocks, run once per readout
+
+The recurrence itself lives in `recurrence.unroll`, the blocks in `blocks.py`; this file says
+what a step is and how the pieces are wired. Every piece takes an `ops` backend (default the
+eager reference), so the cached engine runs these same methods with its own weight layouts.
+The forward pass returns one `LoopOutput`, which later features extend rather than widening
+a tuple.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..recipe.config import ModelConfig
+from .blocks import EAGER, Block, Ops, rms_norm, rope_tables
+from .recurrence import unroll
+
+
+@dataclass
+class LoopOutput:
+    """Everything one forward pass produced."""
+
+    logits: Tensor
+    """(B, T, V) readout after the last round that ran."""
+    rounds: int
+    """Rounds computed."""
+    round_logits: dict[int, Tensor] = field(default_factory=dict)
+    """round -> (B, T, V) readouts at the requested rounds (loss placement, logit lens)."""
+    grad_rounds: tuple[int, ...] = ()
+    """Rounds whose computation receives gradient from the readouts asked for (readout_rounds, else the
+    final one): the backward window's rounds up to the last of them (see recurrence.unroll)."""
+    readout_only_rounds: tuple[int, ...] = ()
+    """Read-out rounds before the window: their logits train only the coda and head (and the gate)."""
+    state: Tensor | None = None
+    """(B, T, d) loop state after the last round."""
+    hazards: Tensor | None = None
+    """(B, T, R) exit-gate hazards per round, when the model has a gate."""
+    rounds_used: Tensor | None = None
+    """(B, T) rounds each position actually ran (early exit)."""
+    cache: Any = None
+    """The key/value cache passed in, after this call's updates."""
+    stats: dict[str, list[float]] = field(default_factory=dict)
+    """Per-round diagnostics when asked for: state_rms, update_rms."""
+    round_states: list[Tensor] = field(default_factory=list)
+    """States after each round (kept when collect_stats, for gradient diagnostics); those before the
+    backward window do not require grad."""
+
+
+def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
+    """DeepLoop: alpha = (2N)^p on the skip, beta = (8N)^-p on branch init, N = n_core * rounds."""
+    n = n_core * rounds
+    return (2 * n) ** p, (8 * n) ** (-p)
+
+
+def initial_noise_table(cfg: ModelConfig, seed: int) -> Tensor:
+    """(context, d) random initial loop states indexed by position, for inference with init_state = random:
+    one seed gives every position the same noise whether the sequence is run whole, cached or batched."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(cfg.context, cfg.d_model, generator=g) * cfg.init_state_std
+
+
+class LoopedLM(nn.Module):
+    """Prelude -> shared core x rounds -> coda -> head. `rounds` is the nominal depth:
+    it sets DeepLoop's N and the untied baseline's block count."""
+
+    def __init__(self, cfg: ModelConfig, rounds: int, exit_gate: bool = False):
+        super().__init__()
+        self.cfg, self.nominal_rounds = cfg, rounds
+        d = cfg.d_model
+        alpha, beta = (deeploop_scales(cfg.n_core, rounds, cfg.deeploop_p)
+                       if cfg.residual_scaling == "deeploop" else (1.0, 1.0))
+        self.alpha, self.beta = alpha, beta
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
+        n_core_blocks = cfg.n_core * (rounds if cfg.untied else 1)
+        self.core = nn.ModuleList(Block(cfg, alpha) for _ in range(n_core_blocks))
+        self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
+        self.adapter = nn.Linear(2 * d, d, bias=False) if cfg.injection == "concat" else None
+        self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.state_norm else None
+        self.gate = nn.Sequential(nn.RMSNorm(d, eps=cfg.norm_eps), nn.Linear(d, 1)) if exit_gate else None
+        self.final_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights(beta)
+
+    # -- initialisation -------------------------------------------------------------
+    def _init_weights(self, beta: float) -> None:
+        cfg = self.cfg
+        visits = cfg.n_prelude + cfg.n_core * self.nominal_rounds + cfg.n_coda
+        seen: set[int] = set()  # a shared tensor is initialised (and beta-scaled) once
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.dim() < 2:
+                continue  # norms keep weight 1; biases set below
+            std = cfg.init_std
+            if name.endswith(("attn.o.weight", "mlp.down.weight")):
+                std = std / math.sqrt(2 * visits)
+            nn.init.normal_(p, std=std)
+            if beta != 1.0 and name.startswith("core.") and name.endswith(
+                    ("attn.v.weight", "attn.o.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")):
+                with torch.no_grad():
+                    p.mul_(beta)
+        if self.gate is not None:
+            nn.init.zeros_(self.gate[1].weight)
+            nn.init.constant_(self.gate[1].bias, -1.0)  # start with mass spread over rounds
+        if self.adapter is not None:  # start as s + e so the loop begins like additive injection
+            with torch.no_grad():
+                self.adapter.weight.copy_(torch.cat([torch.eye(cfg.d_model)] * 2, dim=1))
+
+    # -- pieces ---------------------------------------------------------------------
+    def rope(self, start: int, T: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """RoPE tables for (B, T, heads, Dh) tensors: (T, 1, Dh) for positions start..start+T, or
+        (B, T, 1, Dh) for per-row positions (B, T) (left-padded batches, gathered active tokens)."""
+        if positions is None:
+            return self.rope_cos[start:start + T, None], self.rope_sin[start:start + T, None]
+        return self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
+
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None, start: int = 0,
+                      positions: Tensor | None = None) -> Tensor:
+        """(B, T, d) state before round 1. A random initial state is fresh noise in training or when a
+        generator is passed; in eval mode without one it is `initial_noise_table(cfg, 0)` at the tokens'
+        positions, so the same input gives the same logits, equal to the engine's at seed 0."""
+        kind = self.cfg.init_state
+        if kind == "zeros":
+            return torch.zeros_like(e)
+        if kind == "prelude":
+            return e
+        if generator is None and not self.training:
+            table = initial_noise_table(self.cfg, 0).to(device=e.device, dtype=e.dtype)     # (context, d)
+            rows = table[start:start + e.shape[1]] if positions is None else table[positions]
+            return rows.expand_as(e)
+        if generator is not None and generator.device != e.device:
+            # a CPU generator (the trainer's, seeded per step) draws the same numbers on every device
+            return (torch.randn(e.shape, generator=generator, dtype=e.dtype) * self.cfg.init_state_std).to(e.device)
+        noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
+        return noise * self.cfg.init_state_std
+
+    def inject(self, s: Tensor, e: Tensor, ops: Ops = EAGER) -> Tensor:
+        kind = self.cfg.injection
+        if kind == "add":
+            return s + e
+        if kind == "concat":
+            return ops.linear(torch.cat([s, e], dim=-1), self.adapter.weight)
+        return s
+
+    def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
+        """One round: inject the input, run the K core blocks (round r picks its own blocks if untied)."""
+        K = self.cfg.n_core
+        blocks = self.core[(r - 1) * K: r * K] if self.cfg.untied else self.core
+        x = self.inject(s, e, ops)
+        for i, block in enumerate(blocks):
+            x = block(x, rope, cache, ("core", r, i), ops)   # a module call: FSDP's units hook here
+        return rms_norm(self.state_norm, x) if self.state_norm is not None else x
+
+    def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
+                last_only: bool = False) -> Tensor:
+        """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
+        (B, V) at the last position with last_only (a decode step needs no other)."""
+        for i, block in enumerate(self.coda):
+            s = block(s, rope, cache, ("coda", r, i), ops)
+        return ops.linear(self.final_norm(s[:, -1] if last_only else s), self.head.weight)
+
+    def hazard(self, s: Tensor) -> Tensor:
+        return torch.sigmoid(self.gate(s).squeeze(-1))  # (B, T)
+
+    def encode(self, idx: Tensor, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
+        x = self.embed(idx)
+        for i, block in enumerate(self.prelude):
+            x = block(x, rope, cache, ("prelude", 0, i), ops)
+        return x
+
+    # -- forward --------------------------------------------------------------------
+    def forward(
+        self,
+        idx: Tensor,
+        rounds: int | None = None,
+        *,
+        backward_window: int | None = None,
+        readout_rounds: tuple[int, ...] | None = None,
+        cache: Any = None,
+        start_pos: int = 0,
+        positions: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        initial_state: Tensor | None = None,
+        collect_stats: bool = False,
+    ) -> LoopOutput:
+        """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
+        initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table)."""
+        rounds = self.nominal_rounds if rounds is None else rounds
+        if self.cfg.untied and rounds != self.nominal_rounds:
+            raise ValueError(f"the untied baseline has blocks for exactly {self.nominal_rounds} rounds, asked {rounds}")
+        B, T = idx.shape
+        if start_pos + T > self.cfg.context:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds the model context {self.cfg.context}")
+        rope = self.rope(start_pos, T, positions)
+        e = self.encode(idx, rope, cache)                     # (B, T, d)
+        s0 = (self.initial_state(e, generator, start_pos, positions) if initial_state is None
+              else initial_state.to(e.dtype))
+
+        wanted = set(readout_rounds or ()) | {rounds}
+        # Each readout runs the coda. With a cache every readout attends to the cached coda history
+        # (a one-token decode step has no other); the cache keeps the last write, the final round's.
+        run = unroll(lambda s, r: self.core_step(s, e, r, rope, cache), s0, rounds, backward_window, wanted,
+                     readout=lambda s, r: self.readout(s, rope, cache, r),
+                     keep_states=self.gate is not None or collect_stats,
+                     loss_rounds=readout_rounds or (rounds,))
+        out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
+                         grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
+                         state=run.state, cache=cache)
+        if self.gate is not None:
+            # The gate reads each round's state like a readout: before the window the state is a
+            # constant, so those hazards train the gate alone.
+            out.hazards = torch.stack([self.hazard(s) for s in run.states], dim=-1)   # (B, T, R)
+        if collect_stats:
+            states = run.states
+            out.round_states = states
+            prev = [s0] + states[:-1]
+            with torch.no_grad():
+                out.stats = {
+                    "state_rms": [s.float().pow(2).mean().sqrt().item() for s in states],
+                    "update_rms": [(s - p).float().pow(2).mean().sqrt().item() for s, p in zip(states, prev)],
+                }
+        return out
+
+    # -- accounting -----------------------------------------------------------------
+    def param_groups_by_role(self) -> dict[str, int]:
+        """Stored parameter counts by role, each tensor counted once."""
+        roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
+                 "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "gate": [self.gate],
+                 "state_norm": [self.state_norm], "head": [self.head]}
+        seen: set[int] = set()
+        counts = {}
+        for role, mods in roles.items():
+            n = 0
+            for m in mods:
+                for p in (m.parameters() if m is not None else ()):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        n += p.numel()
+            counts[role] = n
+        return counts
+
+    def params_stored(self) -> int:
+        return sum(self.param_groups_by_role().values())
+
+    def params_per_token_visit(self, rounds: float) -> float:
+        """Parameters applied to one token over a forward pass at (mean) depth `rounds`.
+        Per-round pieces (core, adapter, gate, state norm) count once per round; an untied core
+        runs each of its blocks once."""
+        c = self.param_groups_by_role()
+        per_round = c["adapter"] + c["gate"] + c["state_norm"]
+        core = c["core"] if self.cfg.untied else c["core"] * rounds
+        return c["embed"] + c["prelude"] + core + per_round * rounds + c["coda"] + c["head"]
+
+    def flops_per_token(self, rounds: float, seq_len: int, backward_rounds: float | None = None) -> float:
+        """Training FLOPs per token: 2*matmul params per forward visit, 4*per backward visit, plus attention
+        (QK^T and AV over the causal mean length). Only gradient-visible rounds pay the backward."""
+        cfg = self.cfg
+        c = self.param_groups_by_role()
+        attn_per_block = 2 * 2 * cfg.n_heads * cfg.head_dim * (seq_len / 2)   # QK and AV, fwd
+        block_mm = sum(p.numel() for p in self.core[0].parameters() if p.dim() == 2)  # norms are not matmuls
+        block_fwd = 2 * block_mm + attn_per_block
+        per_round_fwd = cfg.n_core * block_fwd + 2 * (c["adapter"] + c["gate"])
+        fixed_fwd = (cfg.n_prelude + cfg.n_coda) * block_fwd + 2 * cfg.d_model * cfg.vocab_size
+        b = rounds if backward_rounds is None else backward_rounds
+        return 3 * fixed_fwd + per_round_fwd * (rounds + 2 * b)
+
+
+def build_model(recipe: Any) -> LoopedLM:
+    """The model a recipe describes (the API's `looplm.build_model`)."""
+    return LoopedLM(recipe.model, rounds=recipe.depth.rounds, exit_gate=recipe.exit.gate)

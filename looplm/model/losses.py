@@ -1,0 +1,85 @@
+"""Loss placement: which rounds are supervised, with what weights.
+
+The recipe's `supervision.kind` picks one of:
+- final: next-token loss at the last round run;
+- rounds: losses at chosen rounds, combined as sum(w*L)/sum(w) over the chosen rounds that
+  ran this step (rounds beyond the sampled depth are skipped; if none ran, the final round
+  is supervised instead and that is counted);
+- every: equal weights over every round run;
+- learned_exit: every round read out, per-token losses weighted by the exit masses of the
+  model's gate, minus an entropy bonus or plus KL to a prior (Ouro stage I).
+Weighted placements always combine per-round *losses*, never losses of averaged states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..recipe.config import SupervisionConfig
+from ..halting import hazards_to_masses, learned_exit_terms
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The rounds a step reads out and their weights (normalised to sum to 1)."""
+
+    rounds: tuple[int, ...]
+    weights: tuple[float, ...]
+    fallback: bool = False
+    """True when none of the chosen rounds ran and the final round was supervised instead."""
+
+
+def placement(cfg: SupervisionConfig, rounds_run: int) -> Placement:
+    if cfg.kind == "final":
+        return Placement((rounds_run,), (1.0,))
+    if cfg.kind in ("every", "learned_exit"):
+        return Placement(tuple(range(1, rounds_run + 1)), tuple(1.0 / rounds_run for _ in range(rounds_run)))
+    pairs = [(r, w) for r, w in zip(cfg.rounds, cfg.round_weights) if r <= rounds_run and w > 0]
+    if not pairs:
+        return Placement((rounds_run,), (1.0,), fallback=True)
+    total = sum(w for _, w in pairs)
+    return Placement(tuple(r for r, _ in pairs), tuple(w / total for _, w in pairs))
+
+
+def token_losses(logits: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor:
+    """(B, T, V), (B, T) -> (B, T) cross-entropy per position; masked positions are 0."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    return loss if mask is None else loss * mask
+
+
+def mean_loss(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
+    if mask is None:
+        return per_token.mean()
+    return per_token.sum() / mask.sum().clamp_min(1)
+
+
+def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor | None = None,
+                    round_targets: Callable[[int], tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, dict]:
+    """The training loss for one forward output and what it was made of (for the report).
+    round_targets(r) -> (targets, mask) replaces targets/mask at supervised rounds before the final one
+    (task traces)."""
+    if cfg.kind == "learned_exit":
+        per_round = torch.stack([token_losses(out.round_logits[r], targets, mask)
+                                 for r in range(1, out.rounds + 1)], dim=-1)  # (B, T, R)
+        masses = hazards_to_masses(out.hazards[..., :out.rounds])              # (B, T, R)
+        terms = learned_exit_terms(per_round, masses, cfg.entropy_beta, cfg.prior, cfg.geometric_lambda,
+                                   reduce=False)
+        total = mean_loss(terms.total, mask)
+        info = {"task_loss": mean_loss(terms.task, mask).item(), "regulariser": mean_loss(terms.regulariser, mask).item(),
+                "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1, device=masses.device)).sum(-1), mask).item()}
+        return total, info
+    place = placement(cfg, out.rounds)
+    losses = []
+    for r in place.rounds:
+        # the final round is the model's answer, whatever the trace says (a fixed-depth model may
+        # run fewer rounds than an example has steps)
+        y, m = round_targets(r) if round_targets is not None and r < out.rounds else (targets, mask)
+        losses.append(mean_loss(token_losses(out.round_logits[r], y, m), m))
+    total = sum(w * loss for w, loss in zip(place.weights, losses))
+    info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback}
+    return total, info

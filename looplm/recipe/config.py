@@ -1,0 +1,593 @@
+"""The recipe: every decision a run makes, as typed, frozen, validated config objects.
+
+A recipe is a TOML file with one table per section (`model`, `depth`, `backward`,
+`supervision`, `exit`, `data`, `optim`, `train`). Each section maps onto one frozen dataclass
+below; every field is documented where it is declared, and illegal values or combinations
+are refused at construction with a `UserError` naming the field and what is allowed.
+`Recipe.to_dict()` writes every default out, so a saved recipe rebuilds its run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from ..errors import UserError
+
+
+def _check(ok: bool, key: str, allowed: str) -> None:
+    if not ok:
+        raise UserError(f"recipe field {key}: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab_size: int = 257
+    """Embedding rows; must hold the tokenizer's vocabulary (byte tokenizer: 257)."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_heads: int = 4
+    """Query heads per attention layer."""
+    n_kv_heads: int = 0
+    """Key/value heads (grouped-query attention); must divide n_heads. 0 = n_heads."""
+    head_dim: int = 0
+    """Width of one head; its own field, so n_heads*head_dim may differ from d_model. 0 = d_model // n_heads."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden width. 0 = 8/3 * d_model rounded up to a multiple of 32."""
+    context: int = 128
+    """Longest sequence the model accepts (RoPE positions, cache length)."""
+    n_prelude: int = 1
+    """Untied blocks before the loop (their output is the injected input e)."""
+    n_core: int = 2
+    """Shared blocks run once per round."""
+    n_coda: int = 1
+    """Untied blocks after the loop, before the LM head."""
+    init_state: Literal["zeros", "prelude", "random"] = "prelude"
+    """Loop state before round 1: zeros, the prelude output e, or normal noise with std init_state_std (Huginn)."""
+    init_state_std: float = 1.0
+    """Std of the random initial state."""
+    injection: Literal["none", "add", "concat"] = "add"
+    """How e re-enters each round: not at all, s + e, or Linear(2d -> d) of [s, e] (Huginn's adapter)."""
+    norm: Literal["pre", "sandwich"] = "pre"
+    """Pre-norm blocks, or sandwich norm (norm before and after each branch, as Huginn)."""
+    residual_scaling: Literal["none", "deeploop"] = "none"
+    """DeepLoop: x <- norm(alpha*x + branch(x)), alpha=(2N)^p, branch init scaled by beta=(8N)^-p, N = n_core*rounds. Needs norm = "pre"."""
+    deeploop_p: float = 0.5
+    """DeepLoop exponent p (>= 0)."""
+    state_norm: bool = False
+    """RMSNorm the loop state after every round (keeps its scale fixed when running more rounds)."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the LM head."""
+    untied: bool = False
+    """Baseline: replace the shared core by n_core*depth.rounds distinct blocks (needs depth.kind = fixed)."""
+    rope_base: float = 10000.0
+    """RoPE frequency base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of weight initialisation; output projections are further scaled by 1/sqrt(2*blocks visited)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "context"):
+            _check(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
+        for name in ("n_prelude", "n_coda"):
+            _check(getattr(self, name) >= 0, f"model.{name}", "must be >= 0")
+        _check(self.n_core >= 1, "model.n_core", "must be >= 1 (the loop needs a core)")
+        if self.n_kv_heads == 0:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _check(self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
+               "model.n_kv_heads", f"must divide n_heads={self.n_heads}")
+        if self.head_dim == 0:
+            _check(self.d_model % self.n_heads == 0, "model.head_dim",
+                   "set it explicitly when d_model is not a multiple of n_heads")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        _check(self.head_dim >= 2 and self.head_dim % 2 == 0, "model.head_dim", "must be even and >= 2 (RoPE)")
+        if self.ffn_hidden == 0:
+            object.__setattr__(self, "ffn_hidden", 32 * math.ceil(8 * self.d_model / 3 / 32))
+        _check(self.ffn_hidden >= 1, "model.ffn_hidden", "must be >= 1")
+        _check(self.init_state_std >= 0, "model.init_state_std", "must be >= 0")
+        _check(self.deeploop_p >= 0 and math.isfinite(self.deeploop_p), "model.deeploop_p", "must be finite and >= 0")
+        _check(self.rope_base > 0, "model.rope_base", "must be > 0")
+        _check(self.norm_eps > 0, "model.norm_eps", "must be > 0")
+        _check(self.init_std > 0, "model.init_std", "must be > 0")
+        _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
+               'none needs init_state = "prelude" (otherwise the core never sees the input)')
+        # Block takes deeploop over the norm setting, so sandwich would be silently dropped.
+        _check(self.residual_scaling != "deeploop" or self.norm == "pre", "model.residual_scaling",
+               'deeploop replaces the block norms; it needs model.norm = "pre", not "sandwich"')
+
+
+@dataclass(frozen=True, kw_only=True)
+class DepthConfig:
+    kind: Literal["fixed", "uniform", "lognormal_poisson"] = "fixed"
+    """How many rounds each training step runs: fixed, uniform on {min..max}, or Huginn's log-normal Poisson."""
+    rounds: int = 4
+    """Rounds for kind = fixed; also the default rounds at evaluation and generation."""
+    min: int = 1
+    """Smallest sampled depth (uniform; lower clamp for lognormal_poisson)."""
+    max: int = 8
+    """Largest sampled depth (uniform; cap for lognormal_poisson). Ignored for fixed (= rounds)."""
+    mean: float = 4.0
+    """Mean depth r-bar of the log-normal Poisson sampler (Huginn: 32)."""
+    sigma: float = 0.5
+    """Log-normal sigma of the sampler (Huginn: 0.5)."""
+
+    def __post_init__(self) -> None:
+        _check(self.rounds >= 1, "depth.rounds", "must be >= 1")
+        _check(self.min >= 1, "depth.min", "must be >= 1")
+        _check(self.sigma >= 0, "depth.sigma", "must be >= 0 (a standard deviation)")
+        if self.kind != "fixed":
+            _check(self.max >= self.min, "depth.max", f"must be >= depth.min={self.min}")
+            _check(self.min <= self.rounds <= self.max, "depth.rounds",
+                   f"must lie in depth.min..depth.max = {self.min}..{self.max} (it is the default inference depth)")
+        if self.kind == "lognormal_poisson":
+            _check(self.mean >= 1, "depth.mean", "must be >= 1 (rounds = Poisson(rate) + 1)")
+
+    @property
+    def max_rounds(self) -> int:
+        return self.rounds if self.kind == "fixed" else self.max
+
+    @property
+    def min_rounds(self) -> int:
+        return self.rounds if self.kind == "fixed" else self.min
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackwardConfig:
+    window: Union[int, Literal["all"]] = "all"
+    """Gradients pass through only the last `window` rounds, or "all". Earlier rounds run without gradient (the state entering the window is a constant); a supervised readout or gate hazard at a round before the window trains only the coda, head and gate, never the core or prelude. Recorded per step as the rounds autograd reaches."""
+
+    def __post_init__(self) -> None:
+        if self.window != "all":
+            _check(self.window >= 1, "backward.window", 'must be >= 1 or "all"')
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisionConfig:
+    kind: Literal["final", "rounds", "every", "learned_exit"] = "final"
+    """Loss placement: final round only; chosen rounds with weights; every round run; learned exit distribution (Ouro)."""
+    rounds: tuple[int, ...] = ()
+    """Rounds read out for kind = rounds (1-based). Rounds beyond a step's sampled depth are skipped that step."""
+    weights: tuple[float, ...] = ()
+    """One weight per entry of rounds; empty = equal weights. Losses are combined as sum(w*L)/sum(w)."""
+    entropy_beta: float = 0.05
+    """learned_exit: weight of the entropy bonus (prior = none) or of KL(p || prior)."""
+    prior: Literal["none", "uniform", "geometric"] = "none"
+    """learned_exit regulariser: entropy bonus (none) or KL to a uniform or geometric prior (PonderNet)."""
+    geometric_lambda: float = 0.5
+    """Hazard of the geometric prior."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "rounds":
+            _check(len(self.rounds) > 0, "supervision.rounds", "must list at least one round when kind = rounds")
+        _check(all(r >= 1 for r in self.rounds), "supervision.rounds", "rounds are 1-based and must be >= 1")
+        _check(len(set(self.rounds)) == len(self.rounds), "supervision.rounds", "must not repeat a round")
+        if self.weights:
+            _check(len(self.weights) == len(self.rounds), "supervision.weights",
+                   f"must have one weight per supervised round ({len(self.rounds)}), got {len(self.weights)}")
+            _check(all(w >= 0 and math.isfinite(w) for w in self.weights) and sum(self.weights) > 0,
+                   "supervision.weights", "must be finite, >= 0, and not all zero")
+        _check(self.entropy_beta >= 0, "supervision.entropy_beta", "must be >= 0")
+        _check(0 < self.geometric_lambda < 1, "supervision.geometric_lambda", "must lie in (0, 1)")
+
+    @property
+    def round_weights(self) -> tuple[float, ...]:
+        return self.weights or tuple(1.0 for _ in self.rounds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExitConfig:
+    gate: bool = False
+    """Give the model an exit gate (dense + sigmoid of the state per round). Required by learned_exit."""
+    policy: str = "fixed"
+    """Default inference exit policy: fixed (all rounds), fixed:R, quantile:Q, entropy:TAU or kl:EPS."""
+    min_rounds: int = 1
+    """Never exit before this round (<= the largest forward depth: depth.rounds, or depth.max when sampled)."""
+    exit_in_prefill: bool = False
+    """Allow early exit while processing the prompt (Huginn does not by default)."""
+
+    def __post_init__(self) -> None:
+        _check(self.min_rounds >= 1, "exit.min_rounds", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str = ""
+    """Text file or folder for language-model data; empty = the embedded corpus (this Python's stdlib source)."""
+    task: str = ""
+    """A built-in task generator name or a JSONL path of {prompt, answer} lines (see docs/tasks.md)."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """Byte-level (257 ids) or a BPE trained locally on the training split with model.vocab_size ids."""
+    max_bytes: int = 2_000_000
+    """Read at most this many bytes of text (whole documents)."""
+    val_fraction: float = 0.05
+    """Fraction of documents held out for validation (split by document, never inside one)."""
+    seq_len: int = 128
+    """Training sequence length (<= model.context)."""
+    difficulty_min: int = 1
+    """Task data: smallest training difficulty of a built-in task (hops, overwrites, digits...)."""
+    difficulty_max: int = 4
+    """Task data: largest training difficulty of a built-in task."""
+    task_length: int = 0
+    """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max."""
+    train_length_min: int = 0
+    """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length)."""
+    warmup_steps: int = 0
+    """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
+    curriculum: float = 0.0
+    """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all at once)."""
+    length_curriculum: float = 0.0
+    """Task data: with train_length_min, fraction of train.steps, after warmup_steps, over which the longest training prompt grows from the shortest to task_length (0 = all lengths at once)."""
+    separator: bool = True
+    """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
+    depth_by_difficulty: bool = False
+    """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
+    round_targets: Literal["answer", "trace"] = "answer"
+    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list, one token each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised."""
+    eval_difficulty_max: int = 0
+    """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
+    eval_rounds_max: int = 0
+    """Task data: largest evaluated round count; 0 = 2 x the largest training depth."""
+    eval_examples: int = 200
+    """Task data: held-out examples per difficulty for exact-match accuracy."""
+    probe_examples: int = 1000
+    """Experiment: examples per probed difficulty for the linear probes (half fit, half test); 0 = no probes."""
+    baselines: tuple[str, ...] = ("untied_same_params", "untied_same_compute")
+    """Experiment: models trained beside the looped one: untied_same_params, untied_same_compute, lstm."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_bytes >= 1000, "data.max_bytes", "must be >= 1000")
+        _check(0 < self.val_fraction < 1, "data.val_fraction", "must lie in (0, 1)")
+        _check(self.seq_len >= 2, "data.seq_len", "must be >= 2")
+        _check(self.difficulty_min >= 0, "data.difficulty_min", "must be >= 0")
+        _check(self.difficulty_max >= self.difficulty_min, "data.difficulty_max",
+               f"must be >= data.difficulty_min ({self.difficulty_min})")
+        _check(self.task_length >= 0, "data.task_length", "must be >= 0 (0 = the task's default)")
+        _check(self.train_length_min >= 0, "data.train_length_min", "must be >= 0 (0 = always task_length)")
+        _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(0 <= self.length_curriculum <= 1, "data.length_curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(self.warmup_steps >= 0, "data.warmup_steps", "must be >= 0")
+        _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
+               "data.eval_difficulty_max", f"must be 0 (= 2 x difficulty_max) or >= data.difficulty_min ({self.difficulty_min})")
+        _check(self.eval_rounds_max >= 0, "data.eval_rounds_max", "must be >= 0 (0 = 2 x the largest training depth)")
+        _check(self.eval_examples >= 1, "data.eval_examples", "must be >= 1")
+        _check(self.probe_examples == 0 or self.probe_examples >= 4, "data.probe_examples", "must be 0 (off) or >= 4")
+        known = ("untied_same_params", "untied_same_compute", "lstm")
+        for b in self.baselines:
+            _check(b in known, "data.baselines", f"entries must be among {', '.join(known)}; got {b!r}")
+        _check(len(set(self.baselines)) == len(self.baselines), "data.baselines", "must not repeat an entry")
+        _check(not self.task or self.tokenizer == "byte", "data.tokenizer",
+               'must be "byte" when data.task is set (one token per name and digit)')
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr."""
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """Warmup then cosine decay, warmup-stable-decay, or constant after warmup."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    decay_fraction: float = 0.2
+    """wsd: fraction of steps spent in the final linear decay."""
+    weight_decay: float = 0.1
+    """AdamW decay on matrices; norms, biases and embeddings get none."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = off)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "optim.lr", "must be > 0")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must lie in [0, 1]")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _check(0 <= self.decay_fraction <= 1, "optim.decay_fraction", "must lie in [0, 1]")
+        _check(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must lie in [0, 1)")
+        _check(self.eps > 0, "optim.eps", "must be > 0")
+        _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (each draws its own depth)."""
+    seed: int = 0
+    """Seeds weights, data windows and depth draws (depth and data are functions of (seed, step))."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Mixed precision: bf16 or fp16 run the forward pass under autocast on the training device (fp16 with
+    a gradient scaler); weights and optimizer stay fp32."""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """Where to train: auto = cuda when available, else cpu (mps only when asked). Recorded in report.json."""
+    compile: bool = False
+    """Wrap the model in torch.compile for training, from outside the model (the saved weights are the
+    plain module's). The first steps of each new depth pay the compilation."""
+    log_every: int = 10
+    """Steps between metrics.jsonl lines (and progress bar updates)."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints (one is always written at the end)."""
+    eval_batches: int = 8
+    """Validation batches for val_loss_by_rounds."""
+    threads: int = 0
+    """torch CPU threads (0 = torch default)."""
+    stage: Literal[1, 2] = 1
+    """1: train everything; 2: freeze the LM and train only the exit gate (Ouro stage II)."""
+    stage2_k: float = 50.0
+    """Stage II: sharpness k of the continuation target sigmoid(k*(I - gamma))."""
+    stage2_gamma: float = 0.005
+    """Stage II: loss improvement gamma below which continuing is not worth it."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "eval_batches"):
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _check(self.threads >= 0, "train.threads", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    name: str = "custom"
+    """A label for reports."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    depth: DepthConfig = field(default_factory=DepthConfig)
+    backward: BackwardConfig = field(default_factory=BackwardConfig)
+    supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        """Checks that span sections."""
+        max_r = self.depth.max_rounds
+        if self.backward.window != "all":
+            _check(self.backward.window <= max_r, "backward.window",
+                   f"must be <= the largest forward depth ({max_r}) or \"all\"")
+        if self.supervision.rounds:
+            _check(max(self.supervision.rounds) <= max_r, "supervision.rounds",
+                   f"must be <= the largest forward depth ({max_r}); got {max(self.supervision.rounds)}")
+        _check(self.exit.min_rounds <= max_r, "exit.min_rounds",
+               f"must be <= the largest forward depth ({max_r}); got {self.exit.min_rounds}")
+        if self.supervision.kind == "learned_exit":
+            _check(self.exit.gate, "exit.gate", "must be true when supervision.kind = learned_exit")
+        if self.train.stage == 2:
+            _check(self.exit.gate, "exit.gate", "must be true for train.stage = 2 (only the gate trains)")
+        if self.data.round_targets == "trace":
+            _check(bool(self.data.task), "data.round_targets", '"trace" needs task data (data.task)')
+            _check(self.supervision.kind != "learned_exit" and self.train.stage == 1, "data.round_targets",
+                   '"trace" needs per-round supervision: not supervision.kind = learned_exit or train.stage = 2')
+        if self.model.untied:
+            _check(self.depth.kind == "fixed", "model.untied",
+                   "needs depth.kind = fixed (an untied stack has one block per visit)")
+        _check(self.data.seq_len <= self.model.context, "data.seq_len",
+               f"must be <= model.context ({self.model.context})")
+        if self.data.tokenizer == "byte":
+            _check(self.model.vocab_size >= 257, "model.vocab_size", "must be >= 257 for the byte tokenizer")
+        else:
+            _check(self.model.vocab_size >= 300, "model.vocab_size", "must be >= 300 for a BPE tokenizer")
+        from ..halting import parse_exit_policy  # late import: halting imports nothing from here
+        if self.exit.policy != "fixed":
+            policy = parse_exit_policy(self.exit.policy)
+            if policy.kind == "quantile":
+                _check(self.exit.gate, "exit.policy", "quantile needs exit.gate = true")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+    def replace(self, **sections: Any) -> "Recipe":
+        return dataclasses.replace(self, **sections)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if f.name != "name"}
+
+
+# ---------------------------------------------------------------------------------------
+# Building configs from plain dicts, with types checked against the annotations.
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return value converted to tp, or raise UserError naming key and the allowed type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+            return value
+    elif origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except UserError:
+                continue
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(v, typing.get_args(tp)[0], key) for v in value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise UserError(f"recipe field {key}: must be {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise UserError(f"unknown recipe key {prefix}{key}; known keys in this section: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    sections: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "name":
+            sections["name"] = _coerce(value, str, "name")
+        elif key in SECTIONS:
+            if not isinstance(value, dict):
+                raise UserError(f"recipe section [{key}] must be a table")
+            sections[key] = _build(typing.get_type_hints(Recipe)[key], value, key + ".")
+        else:
+            raise UserError(f"unknown recipe section {key!r}; known: name, {', '.join(SECTIONS)}")
+    return Recipe(**sections)
+
+
+def filled_defaults(data: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """Dotted key -> value in `recipe` of every field the recipe dict `data` does not set (a
+    recipe.toml written before the field existed); values are as resolved (n_kv_heads 0 -> n_heads)."""
+    out = {} if "name" in data else {"name": recipe.name}
+    for section in SECTIONS:
+        given = data.get(section, {})
+        config = getattr(recipe, section)
+        out.update({f"{section}.{f.name}": getattr(config, f.name)
+                    for f in dataclasses.fields(config) if f.name not in given})
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# TOML files, built-ins and --set overrides.
+
+def builtin_recipes() -> dict[str, str]:
+    """name -> first comment line of each built-in recipe."""
+    out = {}
+    for entry in sorted(resources.files("looplm.recipe.builtin").iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".toml"):
+            first = entry.read_text().splitlines()[0].lstrip("# ").strip()
+            out[entry.name[:-5]] = first
+    return out
+
+
+def read_recipe_dict(name_or_path: str) -> dict[str, Any]:
+    builtin = resources.files("looplm.recipe.builtin") / f"{name_or_path}.toml"
+    if builtin.is_file():
+        text, where = builtin.read_text(), f"built-in recipe {name_or_path}"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            known = ", ".join(builtin_recipes())
+            raise UserError(f"recipe {name_or_path!r}: no such built-in ({known}) or file")
+        try:
+            text, where = path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"recipe {path}: cannot read ({err})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"recipe {where}: invalid TOML ({err})") from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'model.d_model=64' -> ('model.d_model', 64); the value is read as a TOML value, else a string."""
+    if "=" not in text:
+        raise UserError(f"--set {text!r}: expected key=value, e.g. model.d_model=64")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if len(parts) == 1 and parts[0] == "name":
+            data["name"] = value
+            continue
+        if len(parts) != 2 or parts[0] not in SECTIONS:
+            raise UserError(f"unknown recipe key {key!r}; use section.field with section in {', '.join(SECTIONS)}")
+        data.setdefault(parts[0], {})[parts[1]] = value
+    return data
+
+
+def load_recipe(name_or_path: str = "quickstart", overrides: dict[str, Any] | None = None) -> Recipe:
+    """Load a built-in (by name) or a TOML file (by path), apply dotted overrides, validate."""
+    data = apply_overrides(read_recipe_dict(name_or_path), overrides or {})
+    return recipe_from_dict(data)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, values in data.items():
+        if isinstance(values, dict):
+            lines.append(f"\n[{section}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+    return "\n".join(lines) + "\n"
+
+
+def field_docs() -> dict[str, list[tuple[str, str, str]]]:
+    """section -> [(field, default, docstring)], read from the attribute docstrings above (for docs/recipe.md)."""
+    import ast
+    import inspect
+    out = {}
+    for section, cls in typing.get_type_hints(Recipe).items():
+        if section == "name":
+            continue
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        docs = {}
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                docs[a.target.id] = " ".join(b.value.value.split())  # one line: it lands in a table row
+        hints = typing.get_type_hints(cls)
+        out[section] = [(f.name, _toml_value(_to_plain(f.default)), f"{_type_name(hints[f.name])}. {docs.get(f.name, '')}")
+                        for f in dataclasses.fields(cls)]
+    return out

@@ -1,0 +1,151 @@
+"""Checkpoints and run folders: weights in safetensors, the rest through weights_only torch.load.
+
+A run folder holds `recipe.toml` (the resolved recipe) and `checkpoint/` with
+`model.safetensors`, the tokenizer files and `state.pt` (optimizer, step, counters, sampler
+coverage). Every file is written atomically (temp file, fsync, rename) so a run killed
+mid-write leaves the previous checkpoint intact. Nothing here unpickles arbitrary objects.
+
+state.pt carries CHECKPOINT_VERSION; loading refuses a newer one. A recipe.toml from an older
+looplm may lack fields added since: they take their defaults, each logged and kept on the Run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_model, save_model
+
+from ..recipe.config import Recipe, dump_toml, filled_defaults, read_recipe_dict, recipe_from_dict
+from ..errors import UserError
+
+CHECKPOINT_VERSION = 1
+"""Bump when state.pt or model.safetensors change in a way older code would misread."""
+
+log = logging.getLogger(__name__)
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Call write(tmp_path), fsync it, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_text(path: Path, text: str) -> None:
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
+def save_checkpoint(run_dir: Path, model: torch.nn.Module, state: dict[str, Any]) -> None:
+    ckpt = Path(run_dir) / "checkpoint"
+    atomic_write(ckpt / "model.safetensors", lambda tmp: save_model(model, tmp))
+    state = {**state, "version": CHECKPOINT_VERSION}
+    atomic_write(ckpt / "state.pt", lambda tmp: torch.save(state, tmp))
+
+
+def load_state(run_dir: Path, mmap: bool = False) -> dict[str, Any]:
+    """RUN/checkpoint/state.pt, refused unless its version is one this code reads. mmap leaves the
+    tensors (optimizer moments) on disk until touched, for callers that only need the version."""
+    path = Path(run_dir) / "checkpoint" / "state.pt"
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    except FileNotFoundError:
+        raise UserError(f"run {run_dir}: no checkpoint/state.pt (was the run finished?)") from None
+    except Exception as err:  # corrupt or not a weights-only file
+        raise UserError(f"run {run_dir}: checkpoint/state.pt is unreadable ({type(err).__name__})") from None
+    version = state.get("version") if isinstance(state, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise UserError(f"run {run_dir}: checkpoint/state.pt has no valid version ({version!r}); "
+                        "it was not written by looplm")
+    if version > CHECKPOINT_VERSION:
+        raise UserError(f"run {run_dir}: checkpoint version {version} is newer than this looplm reads "
+                        f"(up to {CHECKPOINT_VERSION}); upgrade looplm to load it")
+    return state
+
+
+def load_run_recipe(run_dir: Path) -> tuple[Recipe, dict[str, Any]]:
+    """RUN/recipe.toml as a Recipe, and the fields it lacked (dotted key -> default filled in),
+    each logged as a warning: a run from an older looplm then says what it was assumed to use."""
+    data = read_recipe_dict(str(Path(run_dir) / "recipe.toml"))
+    recipe = recipe_from_dict(data)
+    filled = filled_defaults(data, recipe)
+    for key, value in filled.items():
+        shown = dump_toml({key: list(value) if isinstance(value, tuple) else value}).strip()
+        log.warning(f"run {run_dir}: recipe.toml has no {key} (older looplm); using the default {shown}")
+    return recipe, filled
+
+
+def load_weights(run_dir: Path, model: torch.nn.Module, allow_missing: str | None = None) -> None:
+    """Load RUN/checkpoint/model.safetensors into `model`, refusing any mismatch. Parameters whose
+    names start with `allow_missing` (the exit gate, when stage II starts from a run without one)
+    may be absent and keep their initialisation."""
+    path = Path(run_dir) / "checkpoint" / "model.safetensors"
+    if not path.is_file():
+        raise UserError(f"run {run_dir}: missing checkpoint/model.safetensors")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except Exception as err:
+        raise UserError(f"run {run_dir}: checkpoint/model.safetensors is unreadable or does not match "
+                        f"the recipe ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    missing = [k for k in missing if not (allow_missing and k.startswith(allow_missing))]
+    if missing or unexpected:
+        raise UserError(f"run {run_dir}: weights do not match the recipe (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
+
+
+@dataclass
+class Run:
+    """A trained run, loaded: `looplm.load_run(path)`."""
+
+    path: Path
+    recipe: Recipe
+    model: torch.nn.Module
+    tokenizer: Any
+    report: dict[str, Any]
+    version: int = CHECKPOINT_VERSION
+    """The checkpoint format version the run was saved with."""
+    filled_defaults: dict[str, Any] = field(default_factory=dict)
+    """Recipe fields missing from the run's recipe.toml (written by an older looplm) -> the default used."""
+
+
+def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Run:
+    """A run folder, loaded for use: the model in eval mode on `device` (cpu by default; "auto" = cuda
+    when available; see device.resolve_device)."""
+    from ..device import resolve_device
+    from ..model.looped import build_model
+    from ..data.tokenizer import load_tokenizer
+
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise UserError(f"run {run_dir}: no such folder")
+    if not (run_dir / "recipe.toml").is_file():
+        raise UserError(f"run {run_dir}: missing recipe.toml (not a looplm run folder)")
+    # version first: a newer run's recipe may hold keys this code does not know
+    version = load_state(run_dir, mmap=True)["version"]
+    recipe, filled = load_run_recipe(run_dir)
+    model = build_model(recipe)
+    load_weights(run_dir, model)
+    model.eval().to(resolve_device(device))
+    tokenizer = load_tokenizer(run_dir / "checkpoint")
+    report = {}
+    if (run_dir / "report.json").is_file():
+        try:
+            report = json.loads((run_dir / "report.json").read_text())
+        except json.JSONDecodeError:
+            raise UserError(f"run {run_dir}: report.json is not valid JSON") from None
+    return Run(path=run_dir, recipe=recipe, model=model, tokenizer=tokenizer, report=report,
+               version=version, filled_defaults=filled)

@@ -1,0 +1,231 @@
+"""The run's record: report.json (machine-readable), report.md (the recipe card) and plots.
+
+The recipe card puts each decision in plain words beside what actually happened, so a
+reader can rebuild "four rounds" without the code: initial state, forward-depth
+distribution, backward window, supervised rounds, cache rule — and the sampled-depth and
+gradient-visible histograms, tokens, losses and validation loss by rounds (flagging
+depths never sampled in training).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import write_text
+from ..recipe.config import recipe_from_dict
+
+
+def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
+    """(decision, plain words) for the recipe card."""
+    r = recipe_from_dict(recipe_dict)
+    m, d, b, s = r.model, r.depth, r.backward, r.supervision
+    init = {"zeros": "zeros", "prelude": "the prelude output e",
+            "random": f"Gaussian noise with std {m.init_state_std} (Huginn), drawn per step"}[m.init_state]
+    inject = {"none": "not re-injected (the core sees the input only through the initial state)",
+              "add": "added to the state before every round (s + e)",
+              "concat": "concatenated with the state and mapped back by a Linear(2d -> d) adapter every round"}[m.injection]
+    if d.kind == "fixed":
+        depth = f"fixed at {d.rounds} rounds every step"
+    elif d.kind == "uniform":
+        depth = f"uniform on {{{d.min}..{d.max}}} rounds, drawn per micro-batch from (seed, step)"
+    else:
+        depth = (f"log-normal Poisson (Huginn): rate ~ LogNormal(ln {d.mean} - {d.sigma}^2/2, {d.sigma}), "
+                 f"rounds = Poisson(rate) + 1, clamped to {d.min}..{d.max}; drawn per micro-batch from (seed, step)")
+    window = ("full backpropagation through every round" if b.window == "all" else
+              f"gradients through only the last {b.window} rounds: earlier rounds run without gradient (their "
+              "state is a constant entering the window); a supervised readout or gate hazard at a round before "
+              "the window trains only the coda, head and gate, never the core or prelude")
+    if s.kind == "final":
+        sup = "next-token loss on the final round only"
+    elif s.kind == "rounds":
+        sup = (f"losses at rounds {list(s.rounds)} with weights {list(s.round_weights)}, "
+               "combined as sum(w*L)/sum(w) over the rounds that ran")
+    elif s.kind == "every":
+        sup = "equal-weight loss on every round that ran"
+    else:
+        prior = "an entropy bonus" if s.prior == "none" else f"KL to a {s.prior} prior"
+        sup = f"learned exit distribution (Ouro stage I): sum_t p_t L_t with {prior}, beta = {s.entropy_beta}"
+    if r.train.stage == 2:
+        sup += (f"; STAGE II: LM frozen, only the gate trains on BCE to sigmoid(k(I_t - gamma)), "
+                f"k = {r.train.stage2_k}, gamma = {r.train.stage2_gamma}, averaged over tokens and rounds 2..T")
+    core = (f"{m.n_core} untied blocks per round x {d.rounds} (baseline, no sharing)" if m.untied
+            else f"{m.n_core} shared blocks")
+    return [
+        ("anatomy", f"{m.n_prelude} prelude -> {core} x R rounds -> {m.n_coda} coda; d_model {m.d_model}, "
+                    f"{m.n_heads} query heads / {m.n_kv_heads} KV heads of width {m.head_dim}, SwiGLU {m.ffn_hidden}, "
+                    f"{m.norm}-norm, residual scaling {m.residual_scaling}"
+                    + (f" (p = {m.deeploop_p})" if m.residual_scaling == "deeploop" else "")),
+        ("initial state", init),
+        ("input injection", inject),
+        ("forward depth", depth),
+        ("backward window", window),
+        ("loss placement", sup),
+        ("exit", (f"exit gate trained; default policy {r.exit.policy}" if r.exit.gate
+                  else f"no exit gate; default policy {r.exit.policy}")),
+        ("cache rule", "training runs whole sequences without a cache; at generation every round keeps its own "
+                       "key/value history unless a cache policy says otherwise"),
+    ]
+
+
+def _hist_line(h: dict[str, int]) -> str:
+    total = sum(h.values()) or 1
+    return ", ".join(f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in sorted(h.items(), key=lambda kv: int(kv[0])))
+
+
+def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
+    rec = report["recipe"]
+    lines = [f"# Recipe card: {rec.get('name', 'run')}", "", "## Decisions", ""]
+    lines += [f"- **{k}**: {v}" for k, v in describe(rec)]
+    lines += ["", "## What happened", "",
+              f"- optimizer steps: {report['steps']}",
+              *([f"- initialised from run `{report['init_from']}`"
+                 + ("; language-model weights frozen (bit-identical), only the exit gate trained"
+                    if rec.get("train", {}).get("stage") == 2 else "")] if report.get("init_from") else []),
+              f"- sampled forward rounds (per micro-batch): {_hist_line(report['depth_histogram'])}; "
+              f"mean {report['mean_train_rounds']:.2f}",
+              f"- gradient-visible rounds: {_hist_line(report['backward_histogram'])}"
+              + (f"; supervised readouts before the window (trained the readout only): "
+                 f"{_hist_line(report['loss_placement']['readout_only_round_counts'])}"
+                 if report['loss_placement'].get('readout_only_round_counts') else ""),
+              f"- supervised rounds (count of micro-batches): "
+              f"{_hist_line(report['loss_placement']['supervised_round_counts'])}"
+              + (f"; {report['loss_placement']['fallback_to_final_steps']} fell back to the final round"
+                 if report['loss_placement']['fallback_to_final_steps'] else ""),
+              f"- unique training tokens: {report['unique_tokens']:,} of {report['train_data_tokens']:,} available; "
+              f"tokens consumed: {report['tokens_seen']:,}; token-passes (tokens x rounds): {report['token_passes']:,}",
+              f"- parameters stored: {report['params_stored']:,}; applied per token at the mean depth: "
+              f"{report['params_per_token_visit']:,.0f}",
+              f"- training FLOPs (every visit counted, backward only through gradient-visible rounds): "
+              f"{report['train_flops']:.3e}",
+              f"- final training loss (mean of last 10% of steps): {report['train_loss_final']:.4f}",
+              f"- wall time {report['wall_time_s']:.1f} s, {report['tokens_per_s']:.0f} tokens/s, "
+              f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB",
+              "", "## Validation loss by rounds", "", "| rounds | loss | trained at this depth? |", "|---:|---:|---|"]
+    never = set(report.get("val_rounds_never_trained", []))
+    for r, loss in report["val_loss_by_rounds"].items():
+        lines.append(f"| {r} | {loss:.4f} | {'NEVER SAMPLED in training' if int(r) in never else 'yes'} |")
+    extrap = report.get("val_loss_extrapolation")
+    if extrap:
+        hist = report.get("depth_histogram", {})
+        supervised = report.get("loss_placement", {}).get("supervised_round_counts", {})
+        deepest = max((int(k) for k in hist), default=0)
+        lines += ["", "## Depth extrapolation", "",
+                  f"Validation loss at every depth from 1 to {max(int(r) for r in extrap)} rounds (twice the largest "
+                  f"training depth, {deepest}) beside how often training ran each depth as its forward depth and "
+                  "supervised its readout. Rounds beyond the deepest training depth never ran in training at all. "
+                  "See depth_extrapolation.png.", "",
+                  "| rounds | loss | micro-batches with this forward depth | micro-batches supervising this round | |",
+                  "|---:|---:|---:|---:|---|"]
+        for r, loss in extrap.items():
+            beyond = "never run in training" if int(r) > deepest else ""
+            lines.append(f"| {r} | {loss:.4f} | {hist.get(str(r), 0)} | {supervised.get(str(r), 0)} | {beyond} |")
+    for extra in report.get("sections", []):
+        lines += ["", f"## {extra['title']}", "", extra["markdown"]]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    if rows:
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+        ax.set_xlabel("step"); ax.set_ylabel("training loss"); ax.set_title("Loss curve")
+        fig.tight_layout(); fig.savefig(run_dir / "loss.png", dpi=100); plt.close(fig)
+        names.append("loss.png")
+    val = report["val_loss_by_rounds"]
+    never = set(report.get("val_rounds_never_trained", []))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = [int(k) for k in val]
+    ax.plot(xs, list(val.values()), marker="o")
+    for x, yv in zip(xs, val.values()):
+        if x in never:
+            ax.plot([x], [yv], marker="x", color="red", markersize=10)
+    ax.set_xscale("log", base=2); ax.set_xlabel("rounds (red x: never sampled in training)")
+    ax.set_ylabel("validation loss"); ax.set_title("Validation loss vs rounds")
+    fig.tight_layout(); fig.savefig(run_dir / "val_by_rounds.png", dpi=100); plt.close(fig)
+    names.append("val_by_rounds.png")
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, title in zip(axes, ("depth_histogram", "backward_histogram"),
+                              ("sampled forward rounds", "gradient-visible rounds")):
+        h = report[key]
+        ax.bar([int(k) for k in h], list(h.values()))
+        ax.set_xlabel("rounds"); ax.set_ylabel("micro-batches"); ax.set_title(title)
+    fig.tight_layout(); fig.savefig(run_dir / "depth_histograms.png", dpi=100); plt.close(fig)
+    names.append("depth_histograms.png")
+    if report.get("val_loss_extrapolation"):
+        plot_depth_extrapolation(run_dir / "depth_extrapolation.png", report)
+        names.append("depth_extrapolation.png")
+    return names
+
+
+def plot_depth_extrapolation(path: Path, report: dict[str, Any]) -> None:
+    """Validation loss at rounds 1..2x the training maximum above the training depth histogram
+    (and the supervised readout rounds), on one rounds axis; rounds beyond the deepest training
+    depth, which never ran in training, are shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    extrap = {int(k): v for k, v in report["val_loss_extrapolation"].items()}
+    hist = {int(k): v for k, v in report["depth_histogram"].items()}
+    supervised = {int(k): v for k, v in report.get("loss_placement", {}).get("supervised_round_counts", {}).items()}
+    deepest = max(hist, default=0)
+    xs = sorted(extrap)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 4.6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    if max(xs) > deepest:
+        for ax in (top, bottom):
+            ax.axvspan(deepest + 0.5, max(xs) + 0.5, color="red", alpha=0.08, lw=0)
+    top.plot(xs, [extrap[x] for x in xs], marker="o")
+    top.set_ylabel("validation loss")
+    top.set_title("Depth extrapolation (shaded: deeper than any training step)")
+    bottom.bar([x - 0.2 for x in hist], list(hist.values()), width=0.4, color="gray", label="forward depth")
+    if supervised:
+        bottom.bar([x + 0.2 for x in supervised], list(supervised.values()), width=0.4, color="tab:orange",
+                   label="readout supervised")
+        bottom.legend(fontsize=7)
+    bottom.set_xlabel("rounds")
+    bottom.set_ylabel("training\nmicro-batches")
+    bottom.set_xlim(min(xs) - 0.5, max(xs) + 0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> None:
+    run_dir = Path(run_dir)
+    plots = write_plots(run_dir, report)
+    write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text(run_dir / "report.md", render_markdown(report, plots))
+
+
+PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png")
+
+
+def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] | None = None) -> bool:
+    """Add (or replace, by title) a section of report.md and merge `data` into report.json, then
+    re-render report.md from report.json. Returns False when the run has no report yet."""
+    run_dir = Path(run_dir)
+    path = run_dir / "report.json"
+    if not path.is_file():
+        return False
+    report = json.loads(path.read_text())
+    sections = [s for s in report.get("sections", []) if s.get("title") != title]
+    report["sections"] = sections + [{"title": title, "markdown": markdown}]
+    for key, value in (data or {}).items():
+        if isinstance(value, dict) and isinstance(report.get(key), dict):
+            report[key] = {**report[key], **value}
+        else:
+            report[key] = value
+    write_text(path, json.dumps(report, indent=2) + "\n")
+    plots = [p for p in PLOT_FILES if (run_dir / p).is_file()]
+    write_text(run_dir / "report.md", render_markdown(report, plots))
+    return True
