@@ -244,7 +244,7 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from .runs.checkpoint import load_run
-    from .evaluation.checks import FAIL, NOT_APPLICABLE, PASS, run_checks
+    from .checks import FAIL, NOT_APPLICABLE, PASS, run_checks
 
     results = run_checks(load_run(args.run, device=args.device))
     label = {PASS: "PASS", FAIL: "FAIL", NOT_APPLICABLE: "N/A "}

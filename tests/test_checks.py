@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import looplm
 import looplm.model.looped as model_mod
 from looplm.runs.checkpoint import Run
-from looplm.evaluation.checks import (STATE_GROWTH_LIMIT, check_backward_window, check_backward_window_measured, check_causality,
+from looplm.checks import (STATE_GROWTH_LIMIT, check_backward_window, check_backward_window_measured, check_causality,
                            check_state_stability, check_untied_parity, measured_grad_rounds)
 from looplm.cli import main
 from looplm.model.looped import build_model

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from ..runs.checkpoint import Run
-from ..model.looped import LoopedLM, build_model
+from .runs.checkpoint import Run
+from .model.looped import LoopedLM, build_model
 
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "not applicable"
 
@@ -88,7 +88,7 @@ def check_causality(run: Run) -> CheckResult:
 
 
 def check_shared_parameters(run: Run) -> CheckResult:
-    from ..train.trainer import make_optimizer
+    from .train.trainer import make_optimizer
     model = copy.deepcopy(run.model)
     opt = make_optimizer(model, run.recipe)
     ids = [id(p) for g in opt.param_groups for p in g["params"]]
@@ -169,7 +169,7 @@ def check_flops_count_every_visit(run: Run) -> CheckResult:
 
 def _training_supervision(recipe, rounds: int):
     """The supervision a training micro-batch of `rounds` rounds uses (train_step's `supervision`)."""
-    from ..recipe.config import SupervisionConfig
+    from .recipe.config import SupervisionConfig
     if recipe.data.task and recipe.data.depth_by_difficulty:
         # taskdata.depth_plan: every round from the example's level on (from 1 at level 1 or with
         # trace targets); the final round is always among them
@@ -182,7 +182,7 @@ def _window_rounds(recipe, rounds: int) -> tuple[int, ...]:
     up to the last loss-bearing readout inside them (a loss only on rounds before the window trains
     the readout alone); none in stage II, where the language model is frozen and only the gate
     (reading each state as a constant) trains."""
-    from ..model.losses import placement
+    from .model.losses import placement
     if recipe.train.stage == 2:
         return ()
     window = recipe.backward.window
@@ -201,7 +201,7 @@ def measured_grad_rounds(model: LoopedLM, recipe, x: torch.Tensor, rounds: int
 
     Returns (measured, recorded): measured = the rounds whose output state autograd gave a nonzero
     gradient; recorded = `out.grad_rounds`, what the trainer counts into backward_histogram."""
-    from ..train.trainer import Counters, train_step
+    from .train.trainer import Counters, train_step
     m = copy.deepcopy(model).train()
     trainable = (lambda n: n.startswith("gate.")) if recipe.train.stage == 2 else (lambda n: True)
     for n, p in m.named_parameters():          # the trainer freezes all but the gate in stage II
@@ -262,7 +262,7 @@ def check_backward_window(run: Run) -> CheckResult:
 def check_exit_masses(run: Run) -> CheckResult:
     if run.model.gate is None:
         return CheckResult.not_applicable("exit_masses_conserved", "the model has no exit gate")
-    from ..halting import hazards_to_masses
+    from .halting import hazards_to_masses
     R = run.recipe.depth.max_rounds
     out = run.model(_sample_ids(run, 16), R)
     masses = hazards_to_masses(out.hazards)
