@@ -67,7 +67,7 @@ MISSING = ("copy_forward", "mask")
 @runtime_checkable
 class KVCache(Protocol):
     """What a looped model's attention needs from a key/value cache (`Attention.forward` in
-    model/looped.py and `Kernels.attn` call exactly this).
+    model/blocks.py, the one attention every backend runs, calls exactly this).
 
     slot: ("prelude", 0, i), ("core", r, i) or ("coda", r, i): block i of that stack at round
     r. k, v: (B', Hkv, T, Dh), the keys/values the block computed for its T queries (RoPE

@@ -28,9 +28,9 @@ the same noise and one seed reproduces one output.
 Self-speculative decoding (`speculative="ROUNDS:K"` or `"exit:K"`, batch 1) drafts shallow and
 verifies at full depth through the same chunks (speculative.py).
 
-Speed. The model's math runs through `Kernels` (kernels.py): the same arithmetic as the
-model's modules (parity with `model(idx)` is tested) with fused q/k/v and gate/up matmuls,
-pre-laid-out weights and no module calls; the cache is written in place and read as views.
+Speed. The model's own blocks run through the `PackedOps` backend (kernels.py): the same
+arithmetic as `model(idx)` (parity is tested), with fused q/k/v and gate/up products on
+pre-laid-out weights; the cache is written in place and read as views.
 Per decoded token the Python loop does one chunk call and one sampling call (sampler.py: per-row
 sampling and text); text is decoded only when streaming or when stop strings are set. The
 no-cache reference (`inference/reference.py`) uses the same position-indexed noise table
@@ -50,7 +50,7 @@ from .cache import MISSING, LoopKVCache, check_policy
 from ..model.recurrence import unroll
 from ..errors import UserError
 from ..halting import ExitController, ExitPolicy, parse_exit_policy
-from .kernels import Kernels, rope_rows
+from .kernels import PackedOps, rope_rows
 from ..model.looped import initial_noise_table
 from .sampler import SamplingParams, TokenEvent, is_int, positions_run
 from .batch import DecodeBatch
@@ -145,7 +145,7 @@ class Engine:
             if config.decode_cache != "full":
                 raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
         self.last_stats: dict[str, Any] = {}
-        self._fast: Kernels | None = None
+        self._fast: PackedOps | None = None
 
     @classmethod
     def from_run(cls, run: Any, config: GenerationConfig | None = None, **overrides: Any) -> "Engine":
@@ -353,11 +353,11 @@ class Engine:
             s = m.initial_state(e)
         return rope, e, s
 
-    def kernels(self) -> "Kernels":
+    def kernels(self) -> PackedOps:
         """The fused kernels the chunks run on, rebuilt when a model weight changed in place since
         they were made. Call it when a generation starts: chunks reuse them without the check."""
         if self._fast is None or self._fast.stale():
-            self._fast = Kernels(self.model)
+            self._fast = PackedOps(self.model)
         return self._fast
 
     def _rounds_with_exits(self, s: Tensor, e: Tensor, rope: Any, cache: LoopKVCache, phase: str,

@@ -154,7 +154,3 @@ class PackedOps(Ops):
     def readout(self, s: Tensor, rope: tuple[Tensor, Tensor], cache: Any, r: int, all_positions: bool) -> Tensor:
         """Coda, final norm and head; the head on the last column unless all_positions."""
         return self.m.readout(s, rope, cache, r, self, last_only=not all_positions)
-
-
-Kernels = PackedOps
-"""The name the engine has always used for its backend."""

@@ -96,6 +96,8 @@ class LoopedLM(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.init_state == "random":  # eval mode's fixed initial state (seed 0), moved with the model
+            self.register_buffer("eval_noise", initial_noise_table(cfg, 0), persistent=False)
         self._init_weights(beta)
 
     # -- initialisation -------------------------------------------------------------
@@ -143,9 +145,9 @@ class LoopedLM(nn.Module):
         if kind == "prelude":
             return e
         if generator is None and not self.training:
-            table = initial_noise_table(self.cfg, 0).to(device=e.device, dtype=e.dtype)     # (context, d)
+            table = self.eval_noise                                                         # (context, d)
             rows = table[start:start + e.shape[1]] if positions is None else table[positions]
-            return rows.expand_as(e)
+            return rows.to(e.dtype).expand_as(e)
         if generator is not None and generator.device != e.device:
             # a CPU generator (the trainer's, seeded per step) draws the same numbers on every device
             return (torch.randn(e.shape, generator=generator, dtype=e.dtype) * self.cfg.init_state_std).to(e.device)
