@@ -62,6 +62,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation.rounds import eval_batches_for
 
     run = load_run(args.run, device=args.device)
+    _missing(args)                             # checked before any work, whichever path uses it
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
@@ -76,12 +77,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
         from .evaluation.early_exit import exit_eval
         extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,
-                                       data_label=args.data or "the run's validation split")
+                                       data_label=args.data or "the run's validation split", missing=_missing(args))
         result.update(extra)
         lines += extra_lines
     if args.cache_sweep:  # what each prefill/decode cache policy costs in held-out loss
         from .evaluation.cache_policies import cache_sweep
-        extra, extra_lines = cache_sweep(run, batches, args.exit)
+        extra, extra_lines = cache_sweep(run, batches, args.exit, _missing(args))
         result.update(extra)
         lines += extra_lines
     _emit(result, args.json, "\n".join(lines))
@@ -115,10 +116,14 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
         from .evaluation.tasks import evaluate_examples_exit
         policy = cli_policy(args.exit, recipe)
         budget = int(policy.value) if policy.kind == "fixed" else max(rounds)
+        missing = _missing(args)
         by_level = {str(d): evaluate_examples_exit(run.model, run.tokenizer, exs, policy, budget,
-                                                   separator=recipe.data.separator) for d, exs in sets.items()}
-        total = evaluate_examples_exit(run.model, run.tokenizer, examples, policy, budget, separator=recipe.data.separator)
-        result["exit"] = {"policy": str(policy), "max_rounds": budget, **total, "by_difficulty": by_level}
+                                                   separator=recipe.data.separator, missing=missing)
+                    for d, exs in sets.items()}
+        total = evaluate_examples_exit(run.model, run.tokenizer, examples, policy, budget,
+                                       separator=recipe.data.separator, missing=missing)
+        result["exit"] = {"policy": str(policy), "max_rounds": budget, "missing": missing, **total,
+                          "by_difficulty": by_level}
         lines.append(f"exit {policy} (budget {budget}): accuracy {100 * total['accuracy']:.1f}%, answer loss "
                      f"{total['loss']:.4f}, mean rounds at answer positions {total['mean_rounds']:.2f} (at the "
                      f"answer's first token {total['mean_rounds_first_token']:.2f})")
@@ -136,8 +141,9 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
         rows = []
         for v in thresholds:
             policy = cli_policy(f"{kind}:{v}", recipe)
-            rows.append({"policy": str(policy), **evaluate_examples_exit(
-                run.model, run.tokenizer, examples, policy, budget, separator=recipe.data.separator)})
+            rows.append({"policy": str(policy), "missing": _missing(args), **evaluate_examples_exit(
+                run.model, run.tokenizer, examples, policy, budget, separator=recipe.data.separator,
+                missing=_missing(args))})
         result["sweep"] = rows
         lines.append(f"exit sweep {kind} (budget {budget} rounds):")
         lines += [f"  {r['policy']:>18s}: accuracy {100 * r['accuracy']:.1f}%, mean rounds {r['mean_rounds']:.2f} "
@@ -156,6 +162,17 @@ def _logit_bias(pairs: list[str]) -> dict[int, float]:
         except ValueError:
             raise UserError(f"--logit-bias {pair!r}: must be TOKEN_ID=BIAS, e.g. 120=-100") from None
     return out
+
+
+def _missing(args: argparse.Namespace) -> str:
+    """eval --missing-kv: how later rounds see a token that exited (the same choice as generate/serve)."""
+    from .inference.cache import MISSING
+    value = args.missing_kv or "copy_forward"
+    if value not in MISSING:
+        raise UserError(f"--missing-kv {value!r}: expected one of {', '.join(MISSING)}")
+    if args.missing_kv and not (args.exit or args.exit_sweep):
+        raise UserError("--missing-kv applies to tokens that exit early: pass --exit or --exit-sweep with it")
+    return value
 
 
 def _device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
@@ -311,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--exit", metavar="POLICY", help="per-token early exit: fixed:R, quantile:Q, entropy:TAU or kl:EPS")
     e.add_argument("--exit-sweep", metavar="KIND", help="sweep quantile|entropy|kl thresholds (optionally KIND:V1,V2,..)"
                                                         "; writes a table, a plot and a report.md section")
+    e.add_argument("--missing-kv", help="with --exit/--exit-sweep: what later rounds read for tokens that exited "
+                                        "early, copy_forward (default) or mask (as generate/serve --missing-kv)")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
     _device_arg(e)

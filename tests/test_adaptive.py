@@ -459,6 +459,30 @@ def test_eval_exit_json(gated_run, capsys):
     assert set(res["rounds"]) == {"1", "4"}
 
 
+def test_eval_exit_missing_kv_is_the_visibility_rule_evaluated(gated_run, capsys):
+    """eval --exit P --missing-kv M measures the function generate/serve run under M: the loss equals
+    evaluate_exit with that rule, computed here directly, and the two rules differ once tokens exit."""
+    import looplm
+    from looplm.evaluation.early_exit import evaluate_exit
+    from looplm.evaluation.rounds import eval_batches_for
+    run = looplm.load_run(gated_run)
+    batches = list(eval_batches_for(run))
+    by_rule = {}
+    for missing in ("copy_forward", "mask"):
+        assert main(["eval", str(gated_run), "--rounds", "1", "--exit", "quantile:0.5", "--missing-kv", missing,
+                     "--json"]) == 0
+        ex = json.loads(capsys.readouterr().out)["exit"]
+        ref = evaluate_exit(run.model, batches, "quantile:0.5", R, missing=missing)
+        assert ex["missing"] == missing and ex["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+        assert ex["mean_rounds"] == pytest.approx(ref["mean_rounds"]) and ex["mean_rounds"] < R
+        by_rule[missing] = ex["loss"]
+    assert by_rule["copy_forward"] != by_rule["mask"]
+    assert main(["eval", str(gated_run), "--missing-kv", "mask"]) == 2          # nothing exits: refused, not ignored
+    assert "--exit" in capsys.readouterr().err
+    assert main(["eval", str(gated_run), "--exit", "quantile:0.5", "--missing-kv", "hide"]) == 2
+    assert "copy_forward, mask" in capsys.readouterr().err
+
+
 def test_eval_exit_sweep_writes_table_plot_and_report(gated_run, capsys):
     assert main(["eval", str(gated_run), "--exit-sweep", "entropy", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)

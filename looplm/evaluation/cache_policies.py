@@ -72,10 +72,11 @@ def forward_loss(model: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], r
     return total / count
 
 
-def cache_sweep(run: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], exit: str | None = None
-                ) -> tuple[dict[str, Any], list[str]]:
-    """`looplm eval --cache-sweep`: one row per (prefill, decode) policy pair; (JSON part, lines)."""
-    overrides = {} if exit is None else {"exit": exit}
+def cache_sweep(run: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], exit: str | None = None,
+                missing: str = "copy_forward") -> tuple[dict[str, Any], list[str]]:
+    """`looplm eval --cache-sweep`: one row per (prefill, decode) policy pair; (JSON part, lines).
+    missing: what later rounds read for a token that exited under `exit` (copy_forward or mask)."""
+    overrides = {"missing": missing} if exit is None else {"exit": exit, "missing": missing}
     rows = []
     for prefill, decode in SWEEP:
         engine = Engine.from_run(run, prefill_cache=prefill, decode_cache=decode, **overrides)

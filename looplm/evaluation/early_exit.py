@@ -481,12 +481,14 @@ def default_thresholds(model, kind: str, batches: list[tuple[Tensor, Tensor]], r
 
 
 def exit_sweep(model, batches: list[tuple[Tensor, Tensor]], kind: str, rounds: int,
-               thresholds: list[float] | None = None, min_rounds: int = 1, repeats: int = 1) -> list[dict[str, Any]]:
+               thresholds: list[float] | None = None, min_rounds: int = 1, repeats: int = 1,
+               missing: str = "copy_forward") -> list[dict[str, Any]]:
     """evaluate_exit for each threshold of one policy kind, on the same batches."""
     if kind not in SWEEP_KINDS:
         raise UserError(f"exit sweep kind {kind!r}: expected one of {', '.join(SWEEP_KINDS)}")
     thresholds = thresholds or default_thresholds(model, kind, batches, rounds)
-    return [evaluate_exit(model, batches, parse_exit_policy(f"{kind}:{v}", min_rounds=min_rounds), rounds, repeats)
+    return [evaluate_exit(model, batches, parse_exit_policy(f"{kind}:{v}", min_rounds=min_rounds), rounds, repeats,
+                          missing)
             for v in thresholds]
 
 
@@ -555,11 +557,13 @@ def cli_policy(text: str, recipe) -> ExitPolicy:
 
 
 def exit_eval(run, batches: list, policy: str | None = None, sweep: str | None = None,
-              data_label: str = "the run's validation split", write: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """`looplm eval RUN --exit POLICY / --exit-sweep KIND`: the JSON entries and text lines.
+              data_label: str = "the run's validation split", write: bool = True,
+              missing: str = "copy_forward") -> tuple[dict[str, Any], list[str]]:
+    """`looplm eval RUN --exit POLICY / --exit-sweep KIND [--missing-kv M]`: the JSON entries and text lines.
 
-    The round budget is the recipe's depth.rounds (fixed:R runs R). With a sweep, the table and
-    exit_sweep_KIND.png go into the run folder and a section into report.md (when write)."""
+    The round budget is the recipe's depth.rounds (fixed:R runs R). missing: how later rounds see a
+    token that exited (`cache.MISSING`), as `generate`/`serve --missing-kv` decode. With a sweep, the
+    table and exit_sweep_KIND.png go into the run folder and a section into report.md (when write)."""
     recipe, model = run.recipe, run.model
     R = recipe.depth.rounds
     batches = list(batches)
@@ -573,11 +577,12 @@ def exit_eval(run, batches: list, policy: str | None = None, sweep: str | None =
     if policy is not None:
         pol = cli_policy(policy, recipe)
         budget = pol.value if pol.kind == "fixed" else R
-        row = evaluate_exit(model, batches, pol, budget)
+        row = evaluate_exit(model, batches, pol, budget, missing=missing)
         full = evaluate_exit(model, batches, f"fixed:{budget}", budget)
         row["wall_time_s"], full["wall_time_s"] = time_policies(
-            model, batches, [(pol, budget), (f"fixed:{budget}", budget)], TIMING_REPEATS,
+            model, batches, [(pol, budget), (f"fixed:{budget}", budget)], TIMING_REPEATS, missing,
             first=[row["wall_time_s"], full["wall_time_s"]])
+        row["missing"] = missing
         row["exit_distribution_mean_rounds"] = dist
         row["full_depth"] = {"rounds": budget, "loss": full["loss"], "wall_time_s": full["wall_time_s"]}
         result["exit"] = row
@@ -586,16 +591,17 @@ def exit_eval(run, batches: list, policy: str | None = None, sweep: str | None =
                      f"{dist_text}), wall {row['wall_time_s']:.3f} s (full depth {full['wall_time_s']:.3f} s)")
     if sweep is not None:
         kind, thresholds = parse_sweep(sweep)
-        rows = exit_sweep(model, batches, kind, R, thresholds, recipe.exit.min_rounds)
+        rows = exit_sweep(model, batches, kind, R, thresholds, recipe.exit.min_rounds, missing=missing)
         reference = fixed_reference(model, batches, R)
         timed = rows + reference               # every pass of the sweep and the fixed depths, interleaved
         policies = ([(parse_exit_policy(r["policy"], min_rounds=recipe.exit.min_rounds), R) for r in rows]
                     + [(r["policy"], r["max_rounds"]) for r in reference])              # as each was evaluated
-        walls = time_policies(model, batches, policies, TIMING_REPEATS, first=[r["wall_time_s"] for r in timed])
+        walls = time_policies(model, batches, policies, TIMING_REPEATS, missing,
+                              first=[r["wall_time_s"] for r in timed])
         for r, w in zip(timed, walls):
             r["wall_time_s"] = w
         result.update({"sweep": rows, "sweep_kind": kind, "fixed_reference": reference,
-                       "exit_distribution_mean_rounds": dist})
+                       "exit_distribution_mean_rounds": dist, "missing": missing})
         full = reference[-1]
         lines.append(f"exit sweep {kind} (exit-distribution mean depth {dist_text}; full depth {R}: "
                      f"loss {full['loss']:.4f}, {full['wall_time_s']:.3f} s):")

@@ -90,7 +90,8 @@ def score_task_sets(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[
 
 @torch.no_grad()
 def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Example], policy: Any, rounds: int,
-                           batch_size: int = 64, separator: bool = True) -> dict[str, float]:
+                           batch_size: int = 64, separator: bool = True,
+                           missing: str = "copy_forward") -> dict[str, float]:
     """Exact match and answer loss under a per-token exit policy, with the rounds it used.
 
     The prompt runs all `rounds` rounds (as a prefill would); the positions that predict answer
@@ -107,7 +108,8 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
         b = encode_examples(tok, examples[i:i + batch_size], getattr(model.cfg, "context", None), separator)
         b = dataclasses.replace(b, **{f: getattr(b, f).to(device) for f in ("x", "y", "mask")})
         t0 = time.perf_counter()
-        out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask)
+        out = early_exit(model, b.x, policy, rounds, generator=torch.Generator().manual_seed(0), may_exit=b.mask,
+                         missing=missing)
         wall += time.perf_counter() - t0
         hit = (out.logits.argmax(-1) == b.y) | ~b.mask                          # (B, T)
         correct += int(hit.all(-1).sum())
