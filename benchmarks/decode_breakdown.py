@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import looplm.inference.kernels as kernels
+import looplm.model.blocks as blocks
 from looplm.bench.decode import BENCH_S, _prompts
 from looplm.recipe.config import load_recipe
 from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
@@ -55,7 +56,8 @@ class _Stubs:
 
 
 class _F:
-    """torch.nn.functional with scaled_dot_product_attention routed through the stubs."""
+    """torch.nn.functional with scaled_dot_product_attention routed through the stubs (installed as the
+    blocks' F: the attention every backend runs lives in model/blocks.py)."""
 
     def __init__(self, stubs: _Stubs):
         self.scaled_dot_product_attention = stubs.sdpa
@@ -72,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     stubs = _Stubs()
-    kernels.mm, kernels.F = stubs.mm, _F(stubs)
+    kernels.mm, blocks.F = stubs.mm, _F(stubs)
     torch.manual_seed(0)
     model = build_model(load_recipe("quickstart", overrides=BENCH_S)).eval()
     engine = Engine(model, None, GenerationConfig())
