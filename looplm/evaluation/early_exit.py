@@ -5,11 +5,10 @@ it and computes what the cached decoder (`Engine`, inference/engine.py) computes
 the same `halting.ExitController` decides after every round which tokens stop, and the same
 visibility rule (`cache.MISSING`: copy-forward or mask) says how later rounds see them.
 
-The parallel pass. The next round runs *only on the tokens still active*: they are gathered
-into a smaller batch of query rows (`QueryLayout`: (B', W) rows, each holding up to W active
-tokens of one sequence, so padding stays small even when one sequence keeps many tokens
-running), and the core's matmuls, attention queries, gate and (for entropy/kl) readouts shrink
-with the number of tokens left. `SequenceKV` holds each position's core K/V from its latest
+The parallel pass. The next round runs *only on the tokens still active*: they are packed into
+one row (1, N), so the core's products, norms, gate and (for entropy/kl) readouts shrink with the
+number of tokens left, with no padding; only attention regroups them by sequence (`QueryLayout`:
+(B', W) query rows, padding bounded even when one sequence keeps many tokens running). `SequenceKV` holds each position's core K/V from its latest
 computed round; queries come only from active tokens, with RoPE at their true positions.
 Nothing is computed for a token after its exit round; `computed[b, t, r-1]` records the rounds
 whose core step ran for each token, and `rounds_used` is its sum.
@@ -42,10 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UserError
 from ..inference.cache import MISSING
+from ..model.blocks import sdpa
 from ..halting import ExitController, ExitPolicy, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
 from ..model.looped import LoopOutput
 
@@ -65,25 +66,31 @@ class AdaptiveOutput(LoopOutput):
     read_out: Tensor | None = None
     """(B, T, R) bool: a per-round readout (coda + head) ran for this token after round r (entropy/kl)."""
     rows_computed: int = 0
-    """Query rows the core processed, summed over rounds and batch, padding rows included (the real cost)."""
+    """Token rows the core's products processed, summed over rounds and batch (every token at a full
+    round, the running tokens at a partial one: the products carry no padding)."""
     policy: ExitPolicy | None = None
     """The policy that decided."""
 
 
 CHUNK_WIDTHS = (16, 32, 64)
-"""Row widths a partial round may pack active tokens into (besides the busiest sequence's count)."""
-ROW_OVERHEAD = 4
-"""Cost of one extra query row in token-equivalents (each row gathers its sequence's K/V)."""
+"""Row widths a partial round's attention may split a sequence's running tokens into (besides the
+busiest sequence's count)."""
+ROW_OVERHEAD = 32
+"""Cost of splitting, in query-token equivalents per attention row: a sequence spread over several
+rows has its K/V gathered once per row (one row per sequence reads the buffer as it is). Measured
+on the ouro-style run: a (20, 16) layout's gathers cost about twice its attention."""
 
 
 class QueryLayout:
-    """Which tokens a partial round computes, packed into (B', W) query rows.
+    """Which tokens a partial round computes, and how its attention groups them into (B', W) rows.
 
-    Row j holds up to W active tokens of sequence src[j], at positions rows[j] (in order); slots
-    past a sequence's active count are padding (valid False). A sequence with many active tokens
-    spans several rows (chunks of W), one with none gets no row, so the padding is bounded by
-    W - 1 per sequence instead of "every sequence padded to the busiest one". The width is
-    chosen per round from the active counts (`build`).
+    The block's products, norms and RoPE run on the N running tokens packed into one row (1, N), in
+    the order of (seq, pos); only attention needs each token's sequence. Its query row j holds up to
+    W running tokens of sequence src[j], at positions rows[j] (in order); slots past a sequence's
+    count are padding (valid False, never written back). Token n of the packed row sits in slot
+    (bi[n], ai[n]). One row per sequence (src None, W = the busiest sequence's count) attends to the
+    K/V buffer as it is; when one sequence keeps many tokens running and the others few, splitting
+    the busy ones into chunks of W bounds the attention padding at W - 1 per sequence (`build`).
     """
 
     def __init__(self, src: Tensor | None, rows: Tensor, valid: Tensor):
@@ -96,56 +103,51 @@ class QueryLayout:
 
     @classmethod
     def build(cls, active: Tensor) -> "QueryLayout":
-        """Pack active (B, T) bool into rows; W minimises sum_rows (W + ROW_OVERHEAD) over the
-        candidates: the busiest sequence's count, and the CHUNK_WIDTHS below it."""
+        """Group active (B, T) bool into attention rows: one per sequence (cost B x the busiest
+        count), or chunks of a width in CHUNK_WIDTHS below it (cost rows x (W + ROW_OVERHEAD)),
+        whichever attends to fewer query slots."""
         B, T = active.shape
         counts = active.sum(1)                                                # (B,)
         maxc = int(counts.max())
-        best = None
-        for W in sorted({maxc, *(w for w in CHUNK_WIDTHS if w < maxc)}):
+        best = (B * maxc, maxc, None)
+        for W in (w for w in CHUNK_WIDTHS if w < maxc):
             n = (counts + W - 1) // W                                          # rows per sequence
             cost = int(n.sum()) * (W + ROW_OVERHEAD)
-            if best is None or cost < best[0]:
+            if cost < best[0]:
                 best = (cost, W, n)
         _, W, n = best
         order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)  # active positions first
-        if W == maxc and bool((n == 1).all()):                                # one row per sequence
+        if n is None:                                                         # one row per sequence
             valid = torch.arange(W, device=active.device) < counts.unsqueeze(1)
             return cls(None, torch.where(valid, order[:, :W], 0), valid)
         src = torch.repeat_interleave(torch.arange(B, device=active.device), n)      # (B',)
         chunk = torch.arange(len(src), device=active.device) - (torch.cumsum(n, 0) - n)[src]
         slot = chunk.unsqueeze(1) * W + torch.arange(W, device=active.device)       # (B', W)
         valid = slot < counts[src].unsqueeze(1)
-        rows = torch.where(valid, order[src.unsqueeze(1), slot.clamp(max=T - 1)], 0)  # padding reads position 0
+        rows = torch.where(valid, order[src.unsqueeze(1), slot.clamp(max=T - 1)], 0)  # padding: position 0
         return cls(src, rows, valid)
-
-    def take(self, x: Tensor) -> Tensor:
-        """(B, T, ...) -> (B', W, ...): the tokens of the rows (padding slots read position 0)."""
-        if self.src is None:
-            return x.gather(1, self.rows.view(*self.shape, *([1] * (x.dim() - 2))).expand(*self.shape, *x.shape[2:]))
-        return x[self.src.unsqueeze(1), self.rows]
-
-    def put(self, full: Tensor, x: Tensor) -> Tensor:
-        """Write the real slots of x (B', W, ...) into a copy of full (B, T, ...)."""
-        return full.index_put((self.seq, self.pos), x[self.bi, self.ai])
 
 
 class SequenceKV:
-    """Core keys/values for a whole-sequence early-exit pass, with the `KVCache` protocol
-    (`update(slot, k, v)`) that `Attention.forward` calls.
+    """Core keys/values for a whole-sequence early-exit pass: a `KVCache` (`attend(slot, q, k, v)`,
+    what `Attention.forward` calls).
 
     One buffer per core block index holds each position's K/V from its latest computed round.
     How a later round sees a token that stopped is the visibility rule (`cache.MISSING`, the
     same choice and meaning as `LoopKVCache`'s): "copy_forward" reads that latest entry,
-    "mask" leaves the token out of the round's attention. `select(layout, active)` names the
-    query tokens of the coming calls (a `QueryLayout`, or None for every token) and which tokens
-    are still running; `update` writes the queries' fresh K/V into the buffer and returns, for
-    each query row, its sequence's K/V at every position with the mask for its queries. Padding
-    query slots are computed but never written. The first call for a block must select every
-    token (round 1 of a whole-sequence pass does). `writes[slot]` records, per slot, which
-    tokens had their K/V computed there: the audit trail of which rounds ran for which token.
-    Only the core goes through this cache: with a coda, the policies whose readouts decide
-    run column by column through the Engine instead (see `early_exit`).
+    "mask" leaves the token out of the round's attention.
+
+    `select(layout, active)` names the queries of the coming calls: None = every token, as
+    (B, T) rows; or a `QueryLayout`, whose N running tokens arrive packed as one row (1, N) —
+    the block's products, norms and RoPE run on exactly those tokens, no padding. Only
+    attention needs each token's sequence: `attend` writes the fresh K/V at the tokens'
+    positions, spreads the queries into the layout's (B', W) rows (each against its sequence's
+    keys, causal, under the visibility rule), and packs the outputs back into (1, N). The
+    first call for a block must select every token (round 1 of a whole-sequence pass does).
+    `writes[slot]` records, per slot, which tokens had their K/V computed there: the audit
+    trail of which rounds ran for which token. Only the core goes through this cache: with a
+    coda, the policies whose readouts decide run column by column through the Engine instead
+    (see `early_exit`).
     """
 
     def __init__(self, batch: int, length: int, device: torch.device | str = "cpu", missing: str = "copy_forward"):
@@ -154,19 +156,17 @@ class SequenceKV:
         self.B, self.T, self.device, self.missing = batch, length, device, missing
         self._kv: dict[tuple[str, int], tuple[Tensor, Tensor]] = {}   # (kind, i) -> (B, Hkv, T, Dh) x2
         self._layout: QueryLayout | None = None
-        self._mask: Tensor | None = None       # (T, T) or (B', 1, W, T) bool, True = may attend
+        self._mask: Tensor | None = None       # (B', 1, W, T) bool, True = may attend (packed queries)
         self.writes: dict[Any, Tensor] = {}    # slot -> (B, T) bool
         self.select(None)
 
     def select(self, layout: QueryLayout | None, active: Tensor | None = None) -> None:
-        """Queries for the next update() calls: every token (None) or the rows of `layout`;
-        active (B, T) bool: the tokens still running (needed when layout is given)."""
-        T = self.T
-        self._layout = layout
+        """Queries for the next attend() calls: every token (None) or the tokens of `layout`,
+        packed (1, N); active (B, T) bool: the tokens still running (needed when layout is given)."""
+        self._layout, self._mask = layout, None
         if layout is None:
-            self._mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             return
-        keys = torch.arange(T, device=self.device)
+        keys = torch.arange(self.T, device=self.device)
         mask = keys <= layout.rows.unsqueeze(-1)                             # (B', W, T) causal
         if self.missing == "mask":
             # stopped tokens drop out of later rounds; a query is active, so it still sees itself
@@ -174,31 +174,35 @@ class SequenceKV:
             mask = mask & active[seq]                                         # (B', 1, T) -> (B', W, T)
         self._mask = mask.unsqueeze(1)                                       # (B', 1, W, T)
 
-    def update(self, slot: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """k, v: (B', Hkv, W, Dh) of the selected queries -> (B', Hkv, T, Dh) x2 and the mask."""
+    def attend(self, slot: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) for every token, or (1, ., N, Dh) for the packed
+        running tokens -> the attention output in the same layout."""
         kind, _round, i = slot
         if kind != "core":
             raise RuntimeError(f"SequenceKV holds the core only, asked for {slot}")
         key = (kind, i)
         lay = self._layout
         if lay is None:
-            # Every token is a query: the fresh K/V are the whole history. They become the buffer
-            # as they are (no copy) and are returned unchanged, so this path is bit-identical to
-            # the plain forward.
+            # Every token is a query: the fresh K/V are the whole history; they become the buffer as
+            # they are (no copy), and the attention is the plain forward's (bit-identical).
             self._kv[key] = (k, v)
             self.writes[slot] = torch.ones(self.B, self.T, dtype=torch.bool, device=k.device)
-            return k, v, self._mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         if key not in self._kv:
             raise RuntimeError(f"SequenceKV: first call for {key} must select every token")
         kb, vb = self._kv[key]
-        kb[lay.seq, :, lay.pos] = k[lay.bi, :, lay.ai]           # (N, Hkv, Dh): only real queries write
-        vb[lay.seq, :, lay.pos] = v[lay.bi, :, lay.ai]
+        kb[lay.seq, :, lay.pos] = k[0].transpose(0, 1)           # (N, Hkv, Dh) at their positions
+        vb[lay.seq, :, lay.pos] = v[0].transpose(0, 1)
         written = torch.zeros(self.B, self.T, dtype=torch.bool, device=k.device)
         written[lay.seq, lay.pos] = True
         self.writes[slot] = written
-        if lay.src is None:                                     # row b is sequence b
-            return kb, vb, self._mask
-        return kb[lay.src], vb[lay.src], self._mask              # (B', Hkv, T, Dh) each row's sequence
+        B2, W = lay.shape
+        rows = q.new_zeros(B2, q.shape[1], W, q.shape[3])         # (B', H, W, Dh); padding queries are zero
+        rows[lay.bi, :, lay.ai] = q[0].transpose(0, 1)
+        if lay.src is not None:                                   # several rows per sequence
+            kb, vb = kb[lay.src], vb[lay.src]                      # (B', Hkv, T, Dh)
+        y = sdpa(rows, kb, vb, self._mask)                         # (B', H, W, Dh)
+        return y[lay.bi, :, lay.ai].transpose(0, 1).unsqueeze(0)  # (1, H, N, Dh)
 
 
 def resolve_policy(policy: str | ExitPolicy, *, min_rounds: int = 1) -> ExitPolicy:
@@ -274,26 +278,29 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
             lay = None
             rope, s_in, e_in = rope_full, s, e
         else:
-            lay = QueryLayout.build(active)                             # (B', W) query rows
-            rope = model.rope(0, lay.shape[1], lay.rows)
-            s_in = lay.take(s)
-            e_in = e if model.cfg.injection == "none" else lay.take(e)  # e is unused without injection
+            lay = QueryLayout.build(active)                             # attention rows (B', W)
+            ids = lay.seq * T + lay.pos                                 # (N,) the running tokens, flat
+            rope = model.rope(0, len(ids), lay.pos.unsqueeze(0))
+            s_in = s.view(B * T, -1)[ids].unsqueeze(0)                  # (1, N, d): packed, no padding
+            e_in = e if model.cfg.injection == "none" else e.view(B * T, -1)[ids].unsqueeze(0)
         kv.select(lay, active)
-        rows_computed += B * T if lay is None else lay.shape[0] * lay.shape[1]
-        s_new = model.core_step(s_in, e_in, r, rope, kv)                # (B', W, d)
+        rows_computed += B * T if lay is None else len(ids)
+        s_new = model.core_step(s_in, e_in, r, rope, kv)                # (B, T, d) or (1, N, d)
         computed[..., r - 1] = active
-        s = s_new if lay is None else lay.put(s, s_new)
-        # the tokens that ran round r, flat, in the order of their real query slots
-        ids = None if lay is None else lay.seq * T + lay.pos            # (N,)
+        # the tokens that ran round r, flat: None = all of them in order, else ids
+        if lay is None:
+            s, ids = s_new, None
+        else:
+            s = s.view(B * T, -1).index_copy(0, ids, s_new[0]).view(B, T, -1)
 
-        def real(x: Tensor) -> Tensor:                                 # (B', W, ...) -> (N, ...)
-            return x.flatten(0, 1) if lay is None else x[lay.bi, lay.ai]
+        def real(x: Tensor) -> Tensor:                                 # (B, T, ...) or (1, N, ...) -> (N, ...)
+            return x.flatten(0, 1)
 
         h = lg = None
         if use_gate:
-            h = model.hazard(s_new)                                    # (B', W)
-            hazards[..., r - 1] = h if lay is None else lay.put(hazards[..., r - 1], h)
-            h = real(h)
+            h = real(model.hazard(s_new))                              # (N,)
+            hazards[..., r - 1] = h.view(B, T) if ids is None else \
+                hazards[..., r - 1].flatten().index_copy(0, ids, h).view(B, T)
         if ctl.needs_readout(r):
             # no coda here (or every token active): each token's readout reads only itself
             lg = real(model.readout(s_new, rope))                      # (N, V)

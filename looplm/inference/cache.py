@@ -39,11 +39,12 @@ recursion keeps its own entries, tokens routed out leave holes handled as above)
 recursive sharing is `first` (the first recursion's entries serve every later one).
 
 The seam with the model is `KVCache` (a typing.Protocol): the model's attention calls
-`update(slot, k, v) -> (k_all, v_all, mask)` and nothing else; `LoopKVCache` here (the
-decoder's) and `adaptive.SequenceKV` (whole-sequence early exit) implement it. The chunk
+`attend(slot, q, k, v) -> y` and nothing else; `LoopKVCache` here (the decoder's) and
+`evaluation.early_exit.SequenceKV` (whole-sequence early exit) implement it. The chunk
 protocol of `LoopKVCache` on top: `begin(start, T, phase, rows)` before a chunk (the rows it holds,
 default all: finished rows are left out, and a new prompt can take a finished row's place after
-`set_pad`), the model's attention calls `update(slot, k, v) -> (k_all, v_all, mask)`,
+`set_pad`), the model's attention calls `attend`, which writes through `update(slot, k, v) ->
+(k_all, v_all, mask)` and attends to what it returns,
 `select(rows)` restricts the following updates to a subset of rows (rows that exited stop
 computing), and `commit(rounds_used)` closes the chunk (copy-forward or depth bookkeeping,
 first/average reduction) for the chunk's rows only. `truncate(filled)` rolls back (speculative
@@ -59,6 +60,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
+from ..model.blocks import sdpa
 
 POLICIES = ("full", "first", "last", "average")
 MISSING = ("copy_forward", "mask")
@@ -70,14 +72,15 @@ class KVCache(Protocol):
     model/blocks.py, the one attention every backend runs, calls exactly this).
 
     slot: ("prelude", 0, i), ("core", r, i) or ("coda", r, i): block i of that stack at round
-    r. k, v: (B', Hkv, T, Dh), the keys/values the block computed for its T queries (RoPE
-    applied). Returns the keys/values those queries attend to, (B', Hkv, S, Dh) each, and a
-    bool mask broadcastable to (B', H, T, S) (True = may attend), or None for "all of them".
-    The cache decides what earlier positions look like (its policy, the visibility rule for
-    tokens that stopped); the block only attends.
+    r. q (B', H, T, Dh), k, v (B', Hkv, T, Dh): the block's queries and the keys/values it
+    computed for them (RoPE applied). The cache stores k/v and returns the attention output
+    (B', H, T, Dh), computed with `blocks.sdpa`: it decides what earlier positions look like
+    (its policy, the visibility rule for tokens that stopped) and, for a whole-sequence pass
+    over a subset of tokens, how the queries group into sequences. `LoopKVCache.update`
+    (write, then return k_all, v_all, mask) is the decoder's half of that.
     """
 
-    def update(self, slot: tuple[str, int, int], k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def attend(self, slot: tuple[str, int, int], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         ...
 
 
@@ -212,6 +215,10 @@ class LoopKVCache:
             m = ok if base is None else base & ok
             self._round_masks[r] = m if self._rows is None else m[self._rows]
         return self._round_masks[r]
+
+    def attend(self, slot: tuple, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """`KVCache.attend`: write k/v, then q attends to what `update` returns."""
+        return sdpa(q, *self.update(slot, k, v))
 
     def update(self, slot: tuple, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write this chunk's k/v (B', H, T, Dh) for `slot`; return what its queries attend to."""

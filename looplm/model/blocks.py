@@ -74,10 +74,17 @@ class Attention(nn.Module):
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
         else:
-            # The cache decides which keys/values this slot sees (its policy) and the mask.
-            k, v, mask = cache.update(slot, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hkv != H)
+            # The cache decides what this slot's queries see (its policy, the visibility rule) and
+            # how they are grouped into sequences (a whole-sequence early-exit pass packs the tokens
+            # still running into one row); it attends with `sdpa`.
+            y = cache.attend(slot, q, k, v)                                    # (B, H, T, Dh)
         return ops.linear(y.transpose(1, 2).reshape(B, T, H * Dh), self.o.weight)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """q (B, H, T, Dh) attends to k, v (B, Hkv, S, Dh); mask broadcastable to (B, H, T, S), True = may
+    attend, None = every key. The attention every cache runs (`KVCache.attend`)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class SwiGLU(nn.Module):
