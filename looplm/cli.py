@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -48,8 +49,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         report = train(recipe, out, resume=args.resume, init_from=args.stage2)
     else:
         recipe = load_recipe(args.recipe or "quickstart", _overrides(args.set))
+        if not args.out and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError("--out: name the run folder when launching several processes (torchrun); "
+                            "each would otherwise time-stamp its own")
         out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         report = train(recipe, out, resume=args.resume)
+    if not report:       # a process other than rank 0 of a multi-process run: rank 0 reports
+        return 0
     print(f"run written to {out}: train loss {report['train_loss_final']:.4f}, "
           f"val loss by rounds {json.dumps(report['val_loss_by_rounds'])}", file=sys.stderr)
     print(out)

@@ -378,22 +378,29 @@ class TaskSampler:
         return self.source.train_examples(level, self.recipe.train.batch_size, index,
                                           self.progress(index, self.recipe.data.length_curriculum))
 
-    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """(x, y, train_step options): the options carry the answer mask and, with
+    def batch(self, index: int, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """(x, y, train_step options) of micro-batch `index`, or of its `rows` (this process's share
+        of a multi-process step; every process draws the same examples, so the level and depth
+        agree, and counts all of them as seen): the options carry the answer mask and, with
         data.depth_by_difficulty, the rounds and supervision for this micro-batch."""
-        examples = self.examples(index)
-        b = encode_examples(self.tok, examples, self.recipe.model.context, self.recipe.data.separator)
-        for ex, n in zip(examples, b.lengths):
+        drawn = self.examples(index)
+        b = encode_examples(self.tok, drawn, self.recipe.model.context, self.recipe.data.separator)
+        for ex, n in zip(drawn, b.lengths):
             key = int.from_bytes(hashlib.blake2b(f"{ex.prompt}\0{ex.answer}".encode(), digest_size=8).digest(),
                                  "little", signed=True)
             if key not in self._seen:
                 self._seen.add(key)
                 self._unique_tokens += n
+        examples = drawn
+        if rows is not None:   # padded to the global batch's longest, so every process has the same width
+            examples = drawn[rows]
+            b = TaskBatch(b.x[rows], b.y[rows], b.mask[rows], b.prompt_lens[rows], b.lengths[rows],
+                          b.difficulties[rows])
         opts: dict[str, Any] = {"mask": b.mask}
         if self.recipe.data.round_targets == "trace":
             opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task)
         if self.recipe.data.depth_by_difficulty:
-            opts["rounds"], opts["supervision"] = self.depth_plan(examples[0].difficulty, index)
+            opts["rounds"], opts["supervision"] = self.depth_plan(drawn[0].difficulty, index)
         return b.x, b.y, opts
 
     def unique_tokens(self) -> int:
@@ -409,11 +416,13 @@ class TaskSampler:
         self._unique_tokens = int(state["unique_tokens"])
 
 
-def prepare_task_data(recipe: Recipe, run_dir: Path):
-    """The trainer's data for a task recipe: (tokenizer, TaskSampler, TaskSource)."""
+def prepare_task_data(recipe: Recipe, run_dir: Path, write: bool = True):
+    """The trainer's data for a task recipe: (tokenizer, TaskSampler, TaskSource); write=False leaves
+    the tokenizer files to rank 0."""
     tok = ByteTokenizer()
     if tok.vocab_size > recipe.model.vocab_size:
         raise UserError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
     source = TaskSource(recipe)
-    tok.save(Path(run_dir) / "checkpoint")
+    if write:
+        tok.save(Path(run_dir) / "checkpoint")
     return tok, TaskSampler(source, tok, recipe), source

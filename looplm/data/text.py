@@ -218,15 +218,17 @@ class TokenSampler:
         self._seen = np.zeros(len(tokens), dtype=bool)  # which positions went into a batch
         self._offsets = np.arange(seq_len + 1)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch for `step`: x and y = x shifted by one, each (batch, seq_len)."""
+    def batch(self, step: int, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch for `step`, or its `rows` (this process's share of a multi-process
+        step): x and y = x shifted by one, each (rows, seq_len). Coverage marks the whole global
+        batch, so every process (and rank 0's report) counts what all of them consumed."""
         rng = np.random.default_rng([self.seed, step])
         # A window needs seq_len + 1 tokens, so the last valid start is len - seq_len - 1.
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
         index = starts[:, None] + self._offsets
-        window = torch.from_numpy(self.tokens[index].astype(np.int64))
         # Marking is idempotent, so replaying a step (e.g. after resume) never double counts.
         self._seen[index.ravel()] = True
+        window = torch.from_numpy(self.tokens[index[rows if rows is not None else slice(None)]].astype(np.int64))
         return window[:, :-1], window[:, 1:]
 
     def unique_tokens(self) -> int:

@@ -148,11 +148,16 @@ class LoopedLM(nn.Module):
             table = self.eval_noise                                                         # (context, d)
             rows = table[start:start + e.shape[1]] if positions is None else table[positions]
             return rows.to(e.dtype).expand_as(e)
-        if generator is not None and generator.device != e.device:
-            # a CPU generator (the trainer's, seeded per step) draws the same numbers on every device
-            return (torch.randn(e.shape, generator=generator, dtype=e.dtype) * self.cfg.init_state_std).to(e.device)
-        noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
-        return noise * self.cfg.init_state_std
+        return self.random_state(e.shape, generator, e.dtype, e.device)
+
+    def random_state(self, shape: tuple[int, ...], generator: torch.Generator | None, dtype: torch.dtype,
+                     device: torch.device) -> Tensor:
+        """Fresh initial-state noise N(0, init_state_std^2) of `shape` (B, T, d). A CPU generator (the
+        trainer's, seeded per step) draws the same numbers on every device; several training processes
+        draw the whole global batch's and each keeps its rows."""
+        if generator is not None and generator.device != torch.device(device):
+            return (torch.randn(shape, generator=generator, dtype=dtype) * self.cfg.init_state_std).to(device)
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype) * self.cfg.init_state_std
 
     def inject(self, s: Tensor, e: Tensor, ops: Ops = EAGER) -> Tensor:
         kind = self.cfg.injection

@@ -306,7 +306,8 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps."""
     batch_size: int = 16
-    """Sequences per micro-batch."""
+    """Sequences per micro-batch, over all processes: with N processes each computes batch_size / N of
+    them (it must divide), so a recipe means the same global batch at any world size."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (each draws its own depth)."""
     seed: int = 0
@@ -319,6 +320,13 @@ class TrainConfig:
     compile: bool = False
     """Wrap the model in torch.compile for training, from outside the model (the saved weights are the
     plain module's). The first steps of each new depth pay the compilation."""
+    parallel: Literal["none", "ddp", "fsdp"] = "none"
+    """Several processes (`torchrun --nproc-per-node N -m looplm train`): ddp replicates the model and
+    all-reduces gradients; fsdp shards parameters, gradients and optimizer state with FSDP2 (each
+    prelude, core and coda block a unit). Applied from outside the model; docs/distributed.md."""
+    lockstep_check: Literal["start", "every"] = "start"
+    """With several processes: all-gather and compare every rank's forward rounds and backward window
+    at the first micro-batch (start) or at every one (every: a debug mode, one small collective each)."""
     log_every: int = 10
     """Steps between metrics.jsonl lines (and progress bar updates)."""
     checkpoint_every: int = 100

@@ -2,11 +2,25 @@
 
 A run folder holds `recipe.toml` (the resolved recipe) and `checkpoint/` with
 `model.safetensors`, the tokenizer files and `state.pt` (optimizer, step, counters, sampler
-coverage). Every file is written atomically (temp file, fsync, rename) so a run killed
-mid-write leaves the previous checkpoint intact. Nothing here unpickles arbitrary objects.
+coverage). Nothing here unpickles arbitrary objects.
 
-state.pt carries CHECKPOINT_VERSION; loading refuses a newer one. A recipe.toml from an older
-looplm may lack fields added since: they take their defaults, each logged and kept on the Run.
+A checkpoint is whole or absent. `save_checkpoint` writes a complete new folder
+`checkpoint.next/` (every file fsynced), then renames `checkpoint/` to `checkpoint.prev/` and
+`checkpoint.next/` to `checkpoint/`, then deletes the old one. A kill at any point leaves either
+the old folder in place (with a partial `.next` beside it) or both whole folders renamed;
+`repair_checkpoint` (run before a resume) finishes or discards the interrupted swap. Single
+files (recipe.toml, metrics, the report) are written atomically (temp file, fsync, rename).
+
+Multi-process runs save the same format: rank 0 gathers the full weights and optimizer state
+(`torch.distributed.checkpoint.state_dict`) and writes them, so a run trained on N processes
+resumes on any number, and `load_run`, eval and serve read it without torch.distributed. The
+price is one full copy of the weights and optimizer state in rank 0's host memory at a save
+(docs/distributed.md says when sharded DCP checkpoints would be the better choice).
+
+state.pt carries CHECKPOINT_VERSION; loading refuses a newer one. Version 1 keyed the optimizer
+state by parameter index; version 2 keys it by parameter name (the same at every world size
+and sharding); `optimizer_state_for` reads both. A recipe.toml from an older looplm may lack
+fields added since: they take their defaults, each logged and kept on the Run.
 """
 
 from __future__ import annotations
@@ -25,8 +39,9 @@ from safetensors.torch import load_model, save_model
 from ..recipe.config import Recipe, dump_toml, filled_defaults, read_recipe_dict, recipe_from_dict
 from ..errors import UserError
 
-CHECKPOINT_VERSION = 1
-"""Bump when state.pt or model.safetensors change in a way older code would misread."""
+CHECKPOINT_VERSION = 2
+"""Bump when state.pt or model.safetensors change in a way older code would misread.
+2: the optimizer state is keyed by parameter name (1: by index)."""
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +65,79 @@ def write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, state: dict[str, Any]) -> None:
-    ckpt = Path(run_dir) / "checkpoint"
-    atomic_write(ckpt / "model.safetensors", lambda tmp: save_model(model, tmp))
-    state = {**state, "version": CHECKPOINT_VERSION}
-    atomic_write(ckpt / "state.pt", lambda tmp: torch.save(state, tmp))
+    """checkpoint/ replaced whole: the weights of `model` (a plain module), `state` (+ version) and
+    the files already in checkpoint/ (tokenizer) go to checkpoint.next/, which is swapped in."""
+    import shutil
+    run_dir = Path(run_dir)
+    ckpt, nxt, prev = (run_dir / n for n in ("checkpoint", "checkpoint.next", "checkpoint.prev"))
+    repair_checkpoint(run_dir)
+    nxt.mkdir(parents=True)
+    if ckpt.is_dir():
+        for f in ckpt.iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "state.pt"):
+                shutil.copy2(f, nxt / f.name)
+    save_model(model, str(nxt / "model.safetensors"))
+    torch.save({**state, "version": CHECKPOINT_VERSION}, nxt / "state.pt")
+    for f in nxt.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(nxt)
+    if ckpt.exists():
+        ckpt.rename(prev)
+    nxt.rename(ckpt)                  # from here on the new checkpoint is the run's
+    _fsync_dir(run_dir)
+    if prev.exists():
+        shutil.rmtree(prev)
+
+
+def repair_checkpoint(run_dir: Path) -> None:
+    """Finish or discard a checkpoint swap that a kill interrupted (see the module docstring):
+    checkpoint.next/ beside checkpoint.prev/ with no checkpoint/ is whole (it was complete before
+    the first rename), so it is moved in; a checkpoint.next/ beside checkpoint/ was never finished."""
+    import shutil
+    run_dir = Path(run_dir)
+    ckpt, nxt, prev = (run_dir / n for n in ("checkpoint", "checkpoint.next", "checkpoint.prev"))
+    if not ckpt.exists() and prev.exists() and nxt.exists():
+        nxt.rename(ckpt)
+    if nxt.exists():
+        shutil.rmtree(nxt)
+    if prev.exists():
+        if ckpt.exists():
+            shutil.rmtree(prev)
+        else:
+            prev.rename(ckpt)
+
+
+def optimizer_state_for(state: dict[str, Any], version: int, names: list[str]) -> dict[str, Any]:
+    """The saved optimizer state keyed by parameter name (what `torch.distributed.checkpoint.
+    state_dict.set_optimizer_state_dict` takes). names: the optimizer's parameters in order (a
+    version-1 checkpoint keyed them by that index)."""
+    if version >= 2:
+        return state
+    def name(i: int) -> str:
+        return names[i]
+    return {"state": {name(i): v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [name(i) for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state as `torch.optim.Optimizer.load_state_dict` takes it (index-keyed,
+    in the order `names` of the optimizer's parameters)."""
+    index = {n: i for i, n in enumerate(names)}
+    missing = [n for g in state["param_groups"] for n in g["params"] if n not in index]
+    if missing:
+        raise UserError(f"checkpoint optimizer state names parameters this model lacks: {missing[:3]}")
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
 
 
 def load_state(run_dir: Path, mmap: bool = False) -> dict[str, Any]:

@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 from ..data import text as data_mod
-from ..runs.checkpoint import load_state, load_weights, save_checkpoint, write_text
+from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_index, optimizer_state_for,
+                               repair_checkpoint, save_checkpoint, write_text)
 from ..recipe.config import Recipe, SupervisionConfig, load_recipe
 from .depth import depth_generator, expected_depth, sample_depth
 from ..device import autocast, compiled, grad_scaler, peak_device_memory_bytes, resolve_device
@@ -32,6 +33,8 @@ from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation
 from ..model.losses import placement, supervised_loss
 from ..model.looped import LoopedLM, build_model
 from ..data.tokenizer import build_tokenizer, load_tokenizer
+from .parallel import (SINGLE, World, all_gather_ints, all_sum, close_world, full_tensor, init_world, lockstep,
+                       no_sync, parallelize, rank_device, shard)
 
 
 def peak_rss_bytes() -> int:
@@ -56,13 +59,13 @@ def lr_at(step: int, recipe: Recipe) -> float:
     return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def make_optimizer(model: torch.nn.Module, recipe: Recipe, trainable: set[str] | None = None) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, trainable_only: bool = False) -> torch.optim.AdamW:
     """AdamW; matrices decay, norms/biases/embeddings do not. named_parameters() yields a shared
-    tensor once, so the optimizer sees each shared tensor once."""
+    tensor once, so the optimizer sees each shared tensor once. trainable_only: leave out frozen
+    parameters (Stage II freezes the LM before the model is wrapped for several processes)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if trainable is not None and name not in trainable:
-            p.requires_grad_(False)
+        if trainable_only and not p.requires_grad:
             continue
         (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
     o = recipe.optim
@@ -108,12 +111,13 @@ class Counters:
                    readout_only, fb, tp, ts, flops, s["losses"].tolist(), t)
 
 
-def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
+def prepare_data(recipe: Recipe, run_dir: Path, resume: bool, write: bool = True):
     """Tokenizer + memory-mapped train/val token arrays under RUN/data (reused on resume).
-    With data.task: (tokenizer, taskdata.TaskSampler, taskdata.TaskSource) instead."""
+    With data.task: (tokenizer, taskdata.TaskSampler, taskdata.TaskSource) instead. write=False:
+    only open what rank 0 wrote (the other processes of a multi-process run)."""
     if recipe.data.task:
         from ..data.taskdata import prepare_task_data
-        return prepare_task_data(recipe, run_dir)
+        return prepare_task_data(recipe, run_dir, write=write)
     ddir = run_dir / "data"
     if resume and (ddir / "train.bin").exists():
         tok = load_tokenizer(run_dir / "checkpoint")
@@ -131,12 +135,17 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool):
 
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
                counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None,
-               rounds: int | None = None, supervision=None, round_targets=None, forward=None, scaler=None):
+               rounds: int | None = None, supervision=None, round_targets=None, forward=None, scaler=None,
+               world: World = SINGLE, rows: slice | None = None, check_lockstep: bool = False):
     """Forward + backward for one micro-batch; returns (loss value, forward output, loss info).
     rounds / supervision, when given (task data by difficulty), replace the recipe's draws;
     round_targets(r) -> (targets, mask) gives each supervised round its own targets (task traces).
-    forward: what runs the model (a torch.compile wrapper of it; default the model); scaler: the
-    fp16 gradient scaler. Tensors are moved to the model's device here."""
+    forward: what runs the model (its DDP or torch.compile wrapper; default the model); scaler: the
+    fp16 gradient scaler. world, rows: this process and its rows of the global micro-batch (the
+    initial-state noise is drawn for the whole batch and sliced, so every world size computes the
+    same thing); check_lockstep: all-gather and compare this micro-batch's depth and window across
+    processes (train.lockstep_check). Tensors are moved to the model's device here. The returned loss is this process's
+    share of the global mean (sum over processes = the global mean)."""
     device = model.embed.weight.device
     x, y = x.to(device), y.to(device)
     mask = mask.to(device) if mask is not None else None
@@ -149,15 +158,29 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     window = None if recipe.backward.window == "all" else min(recipe.backward.window, rounds)
     # stage II's gate loss compares every round's readout, whatever the stage-I placement was
     place = placement(SupervisionConfig(kind="every") if recipe.train.stage == 2 else supervision, rounds)
+    if world.distributed and check_lockstep:
+        lockstep(world, step, micro, rounds, window)
+    # the initial-state noise comes from a CPU generator, so every device draws the same numbers
+    gen = depth_generator(recipe.train.seed + 1, step, micro)
+    noise = {"generator": gen}
+    if rows is not None and recipe.model.init_state == "random":   # the global batch's noise, our rows
+        G = recipe.train.batch_size
+        noise = {"initial_state": model.random_state((G, *x.shape[1:], recipe.model.d_model), gen,
+                                                     torch.float32, device)[rows]}
     with autocast(device, recipe.train.dtype):
-        # the initial-state noise comes from a CPU generator, so every device draws the same numbers
         out = (model if forward is None else forward)(x, rounds, backward_window=window, readout_rounds=place.rounds,
-                                 generator=depth_generator(recipe.train.seed + 1, step, micro),
-                                 collect_stats=collect_stats)
+                                                      collect_stats=collect_stats, **noise)
         if recipe.train.stage == 2:
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
             loss, info = supervised_loss(supervision, out, y, mask, round_targets)
+    if world.size > 1:
+        # each process's loss is a mean over its own tokens; weighted by its share of the global
+        # batch's scored tokens, the processes' gradients sum (DDP/FSDP average) to the global mean's
+        n = float(x.numel() if mask is None else mask.sum().item())
+        share = n / (n * world.size if mask is None else all_sum(world, [n])[0])   # equal rows: no collective
+        loss = loss * (share * world.size)
+        info = {**info, "rank_token_share": share}
     if collect_stats:
         for s in out.round_states:
             if s.requires_grad:
@@ -174,7 +197,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     counters.tokens_seen += x.numel()
     counters.token_passes += x.numel() * rounds
     counters.train_flops += x.numel() * model.flops_per_token(rounds, x.shape[1], len(out.grad_rounds))
-    return loss.item(), out, info
+    return loss.item() / world.size, out, info
 
 
 def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: torch.Tensor | None):
@@ -200,11 +223,30 @@ def round_diagnostics(out) -> dict[str, Any]:
 
 def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool = False,
           stop_after: int | None = None, init_from: str | Path | None = None) -> dict[str, Any]:
-    """Train `recipe` into `out_dir`; returns the report. stop_after ends early (tests of resume).
-    init_from: a finished run whose weights (and tokenizer and data split) the new run starts from
-    (`looplm train --stage2 RUN`); with train.stage = 2 a missing exit gate starts fresh."""
-    run_dir = Path(out_dir)
+    """Train `recipe` into `out_dir`; returns the report (an empty dict on ranks other than 0).
+    stop_after ends early (tests of resume). init_from: a finished run whose weights (and tokenizer
+    and data split) the new run starts from (`looplm train --stage2 RUN`); with train.stage = 2 a
+    missing exit gate starts fresh. Under torchrun every process calls this (train.parallel)."""
+    device = resolve_device(recipe.train.device)
+    world = init_world(recipe.train.parallel, device)
+    try:
+        return _train(recipe, Path(out_dir), resume, quiet, stop_after, init_from, world,
+                      rank_device(device, world))
+    finally:
+        close_world(world)
+
+
+def _barrier(world: World) -> None:
+    if world.distributed:
+        torch.distributed.barrier()
+
+
+def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after: int | None,
+           init_from: str | Path | None, world: World, device: torch.device) -> dict[str, Any]:
     if resume:
+        if world.main:
+            repair_checkpoint(run_dir)               # finish or discard a swap a kill interrupted
+        _barrier(world)
         if not (run_dir / "checkpoint" / "state.pt").is_file():
             raise UserError(f"--resume: {run_dir} has no checkpoint to resume from")
         saved = load_recipe(str(run_dir / "recipe.toml"))
@@ -212,52 +254,76 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
             recipe = saved  # the run's own recipe wins; --set on resume would change the experiment
     elif (run_dir / "checkpoint" / "state.pt").exists():
         raise UserError(f"--out {run_dir} already holds a run; pass --resume to continue it or choose another folder")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text(run_dir / "recipe.toml", recipe.to_toml())
+    rows = shard(world, recipe.train.batch_size) if world.size > 1 else None   # this process's share
+    _barrier(world)                                  # every process checked the folder before rank 0 writes
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text(run_dir / "recipe.toml", recipe.to_toml())
     if recipe.train.threads:
         torch.set_num_threads(recipe.train.threads)
 
-    if init_from is not None and not resume:
-        init_from = Path(init_from)
-        _adopt_data(init_from, run_dir)  # same tokenizer and train/val split as the run we start from
-    tok, train_tokens, val_tokens = prepare_data(recipe, run_dir, resume or init_from is not None)
+    if init_from is not None and not resume and world.main:
+        _adopt_data(Path(init_from), run_dir)  # same tokenizer and train/val split as the run we start from
+    # rank 0 builds the tokenizer and token files; the others open them
+    if world.main:
+        tok, train_tokens, val_tokens = prepare_data(recipe, run_dir, resume or init_from is not None)
+    _barrier(world)
+    if not world.main:
+        tok, train_tokens, val_tokens = prepare_data(recipe, run_dir, True, write=False)
     seq_len, bs = recipe.data.seq_len, recipe.train.batch_size
     sampler = (train_tokens if recipe.data.task  # task data comes with its own sampler
                else data_mod.TokenSampler(train_tokens, seq_len, bs, recipe.train.seed))
     torch.manual_seed(recipe.train.seed)
-    device = resolve_device(recipe.train.device)
-    model = build_model(recipe).to(device)      # initialised on the CPU: the same weights on every device
-    forward = compiled(model, recipe.train.compile)
-    scaler = grad_scaler(device, recipe.train.dtype)
-    trainable = {n for n, _ in model.named_parameters() if n.startswith("gate.")} if recipe.train.stage == 2 else None
-    opt = make_optimizer(model, recipe, trainable)
-    counters, start = Counters(), 0
+    model = build_model(recipe).to(device)      # initialised on the CPU: the same weights on every device and rank
+    counters, start, state = Counters(), 0, None
     if resume:
         state = load_state(run_dir)
-        load_weights(run_dir, model)
-        opt.load_state_dict(state["optimizer"])
+        load_weights(run_dir, model)             # every process reads the whole weights, before sharding
         sampler.load_state_dict(state["sampler"])
         counters = Counters.from_state(state["counters"])
         start = int(state["step"])
-        _truncate_metrics(run_dir / "metrics.jsonl", start)
-    elif (run_dir / "metrics.jsonl").exists():
-        (run_dir / "metrics.jsonl").unlink()
-    if resume:
         init_from = state.get("init_from") or None
     elif init_from is not None:
         load_weights(init_from, model, allow_missing="gate." if recipe.train.stage == 2 else None)
+    if recipe.train.stage == 2:                  # the LM frozen before DDP/FSDP see which parameters train
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.startswith("gate."))
+    parallel = recipe.train.parallel
+    runner = parallelize(model, parallel, world)
+    forward = compiled(runner, recipe.train.compile)
+    scaler = grad_scaler(device, recipe.train.dtype)
+    opt = make_optimizer(model, recipe, trainable_only=True)
+    names = _optimizer_names(model, opt)
+    if state is not None:
+        saved_opt = optimizer_state_for(state["optimizer"], int(state["version"]), names)
+        if parallel == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, opt, saved_opt, options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(optimizer_state_by_index(saved_opt, names))
+    if world.main:
+        if resume:
+            _truncate_metrics(run_dir / "metrics.jsonl", start)
+        elif (run_dir / "metrics.jsonl").exists():
+            (run_dir / "metrics.jsonl").unlink()
     origin = {"init_from": str(init_from)} if init_from is not None else {}
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(run_dir, model, {**origin, "step": step, "optimizer": opt.state_dict(),
-                                         "sampler": sampler.state_dict(), "counters": counters.to_state()})
+        # every process takes part in gathering (FSDP); rank 0 writes the whole checkpoint
+        plain, opt_state = gather_state(model, opt, recipe, parallel, world)
+        if world.main:
+            save_checkpoint(run_dir, plain, {**origin, "step": step, "optimizer": opt_state,
+                                             "sampler": sampler.state_dict(), "counters": counters.to_state(),
+                                             "world_size": world.size})
+        _barrier(world)
 
     total = recipe.train.steps if stop_after is None else min(recipe.train.steps, stop_after)
     bar = tqdm(range(start, total), initial=start, total=recipe.train.steps, file=sys.stderr,
-               disable=quiet, desc="train", dynamic_ncols=True)
+               disable=quiet or not world.main, desc="train", dynamic_ncols=True)
     model.train()
-    metrics = open(run_dir / "metrics.jsonl", "a")
+    metrics = open(run_dir / "metrics.jsonl", "a") if world.main else None
     t_window, tok_window = time.perf_counter(), 0
+    accum = recipe.train.grad_accum
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(step, recipe)
@@ -265,17 +331,30 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
             group["lr"] = lr
         log_now = step % recipe.train.log_every == 0 or step == total - 1
         step_loss, depths, info, out = 0.0, [], {}, None
-        for micro in range(recipe.train.grad_accum):
-            x, y, *task_opts = sampler.batch(step * recipe.train.grad_accum + micro)  # task: + mask, rounds
-            loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now,
-                                         forward=forward, scaler=scaler, **(task_opts[0] if task_opts else {}))
-            step_loss += loss / recipe.train.grad_accum
+        before_counts = (counters.tokens_seen, counters.token_passes, counters.train_flops)
+        for micro in range(accum):
+            x, y, *task_opts = sampler.batch(step * accum + micro, rows)  # task: + mask, rounds
+            with no_sync(runner, parallel, last=micro == accum - 1):
+                loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now,
+                                             forward=forward, scaler=scaler, world=world, rows=rows,
+                                             check_lockstep=recipe.train.lockstep_check == "every"
+                                             or (step == start and micro == 0),
+                                             **(task_opts[0] if task_opts else {}))
+            step_loss += loss / accum
             depths.append(out.rounds)
             tok_window += x.numel()  # task batches vary in length
+        if world.size > 1:   # the step's global loss and the work every process did
+            delta = [a - b for a, b in zip((counters.tokens_seen, counters.token_passes, counters.train_flops),
+                                           before_counts)]
+            local_tokens = delta[0]
+            step_loss, *delta = all_sum(world, [step_loss, *delta])
+            counters.tokens_seen, counters.token_passes = (int(b + d) for b, d in zip(before_counts[:2], delta[:2]))
+            counters.train_flops = before_counts[2] + delta[2]
+            tok_window += int(delta[0]) - local_tokens          # tokens/s of the whole job
         clip = recipe.optim.grad_clip
         params = [p for g in opt.param_groups for p in g["params"]]
         scaler.unscale_(opt)        # clip the true gradients (a no-op unless fp16)
-        gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")).item()
+        gnorm = full_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))).item()
         before = [p.detach().clone() for p in model.core.parameters()] if log_now else None
         scaler.step(opt)
         scaler.update()
@@ -292,29 +371,79 @@ def train(recipe: Recipe, out_dir: str | Path, resume: bool = False, quiet: bool
             if "round_losses" in info:
                 row["round_losses"] = {str(k): v for k, v in info["round_losses"].items()}
             row.update(round_diagnostics(out))
-            with torch.no_grad():
-                num = sum((p - b).pow(2).sum() for p, b in zip(model.core.parameters(), before))
-                den = sum(b.pow(2).sum() for b in before)
+            with torch.no_grad():   # sharded tensors (FSDP) sum over every process's shard
+                num = sum(full_tensor((p - b).pow(2).sum()) for p, b in zip(model.core.parameters(), before))
+                den = sum(full_tensor(b.pow(2).sum()) for b in before)
                 row["core_update_ratio"] = math.sqrt(num.item() / max(den.item(), 1e-30))
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
+            if metrics is not None:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
             t_window, tok_window = time.perf_counter(), 0
         if (step + 1) % recipe.train.checkpoint_every == 0 or step + 1 == total:
             checkpoint(step + 1)
     bar.close()
-    metrics.close()
+    if metrics is not None:
+        metrics.close()
+    peak_rss = all_gather_ints(world, [peak_rss_bytes(), peak_device_memory_bytes(device) or 0])
     if total < recipe.train.steps:
         return {"steps": total, "stopped_early": True}
+    if not world.main:
+        return {}
 
     from ..runs.report import write_report
-    report = build_report(recipe, model, sampler, counters, val_tokens, run_dir)
+    plain = model if parallel != "fsdp" else _plain_copy(recipe, run_dir, device)
+    report = build_report(recipe, plain, sampler, counters, val_tokens, run_dir)
     report.update(origin)
     report["device"] = str(device)
     report["precision"] = recipe.train.dtype
     report["compiled"] = recipe.train.compile
     report["peak_device_memory_bytes"] = peak_device_memory_bytes(device)
+    report["parallel"] = parallel
+    report["world_size"] = world.size
+    report["global_batch"] = {"sequences_per_step": recipe.train.batch_size * accum,
+                              "per_process_micro_batch": recipe.train.batch_size // world.size,
+                              "processes": world.size, "grad_accum": accum}
+    report["peak_rss_bytes_per_rank"] = [r[0] for r in peak_rss]
+    report["peak_device_memory_bytes_per_rank"] = [r[1] or None for r in peak_rss]
     write_report(run_dir, report)
     return report
+
+
+def _optimizer_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """The optimizer's parameters by name, in its order (the index a plain state_dict keys them by)."""
+    name = {id(p): n for n, p in model.named_parameters()}
+    return [name[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+def gather_state(model: torch.nn.Module, opt: torch.optim.Optimizer, recipe: Recipe, parallel: str,
+                 world: World) -> tuple[torch.nn.Module | None, dict[str, Any] | None]:
+    """(a plain module holding the whole weights, the optimizer state keyed by parameter name) on
+    rank 0, (None, None) elsewhere. With FSDP every process must call it: the shards are gathered
+    (`torch.distributed.checkpoint.state_dict`, full state, offloaded to the CPU)."""
+    if parallel != "fsdp":
+        if not world.main:
+            return None, None
+        sd = opt.state_dict()
+        names = _optimizer_names(model, opt)
+        return model, {"state": {names[i]: v for i, v in sd["state"].items()},
+                       "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    opt_state = get_optimizer_state_dict(model, opt, options=options)
+    if not world.main:
+        return None, None
+    plain = build_model(recipe)
+    plain.load_state_dict(weights)
+    return plain, opt_state
+
+
+def _plain_copy(recipe: Recipe, run_dir: Path, device: torch.device) -> LoopedLM:
+    """The run's final weights as a plain module on `device` (what rank 0 evaluates after FSDP)."""
+    plain = build_model(recipe)
+    load_weights(run_dir, plain)
+    return plain.to(device)
 
 
 def stage2_recipe(run: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
