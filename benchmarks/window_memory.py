@@ -1,11 +1,14 @@
 """Peak training memory against forward depth, with a fixed backward window (issue 14/15's bound).
 
     python benchmarks/window_memory.py [--rounds 4,32] [--window 4] [--batch 16] [--seq 128]
+                                       [--activation-checkpointing]
 
 Each depth runs in its own interpreter (a fresh peak): one training step (forward, backward, AdamW) of
 the quickstart model at that depth with `backward.window` rounds of gradient, and the process's peak
 RSS above its baseline after the model is built. Rounds before the window run under no_grad
 (model/recurrence.py), so their activations are not kept: the goal is <= 1.3x from 4 to 32 rounds.
+--activation-checkpointing also recomputes each core block inside the window in the backward
+(train.activation_checkpointing), so the window's activations shrink to the blocks' inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import subprocess
 import sys
 
 
-def one(rounds: int, window: int, batch: int, seq: int) -> dict:
+def one(rounds: int, window: int, batch: int, seq: int, ac: bool = False) -> dict:
     import torch
 
     from looplm.recipe import load_recipe
@@ -29,13 +32,17 @@ def one(rounds: int, window: int, batch: int, seq: int) -> dict:
                                                   "backward.window": min(window, rounds), "train.batch_size": batch,
                                                   "data.seq_len": seq, "exit.min_rounds": 1})
     model = build_model(recipe).train()
+    if ac:
+        from looplm.train.parallel import checkpoint_core
+        checkpoint_core(model)
     opt = make_optimizer(model, recipe)
     x = torch.randint(0, 257, (batch, seq))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     loss, out, _ = train_step(model, recipe, x, x, 0, 0, Counters())
     opt.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"rounds": rounds, "window": min(window, rounds), "grad_rounds": list(out.grad_rounds),
+    return {"rounds": rounds, "window": min(window, rounds), "activation_checkpointing": ac,
+            "grad_rounds": list(out.grad_rounds),
             "peak_above_baseline_mib": (peak - base) / 1024}
 
 
@@ -45,15 +52,16 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(one(a.one, a.window, a.batch, a.seq)))
+        print(json.dumps(one(a.one, a.window, a.batch, a.seq, a.activation_checkpointing)))
         return
     rows = []
     for r in map(int, a.rounds.split(",")):
         cmd = [sys.executable, __file__, "--one", str(r), "--window", str(a.window), "--batch", str(a.batch),
-               "--seq", str(a.seq)]
+               "--seq", str(a.seq), *(["--activation-checkpointing"] if a.activation_checkpointing else [])]
         rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
         print(f"rounds {r:3d}, window {rows[-1]['window']}: peak {rows[-1]['peak_above_baseline_mib']:.0f} MiB "
               "above baseline", file=sys.stderr)

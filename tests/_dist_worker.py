@@ -19,9 +19,16 @@ def main() -> None:
     from looplm.train import trainer
     from looplm.train.parallel import LockstepError
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    cuda = any(j["overrides"].get("train.device") == "cuda" for j in jobs)
+    if cuda:
+        import os
+
+        import torch
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
-    for job in json.loads(Path(sys.argv[1]).read_text()):
+    for job in jobs:
         if job.get("stage2_of"):
             recipe = trainer.stage2_recipe(job["stage2_of"], job["overrides"])
         else:

@@ -144,3 +144,34 @@ def test_trainer_records_the_window(tmp_path, text_dir):
         assert row["grad_rms"][:2] == [None, None] and all(g > 0 for g in row["grad_rms"][2:])
     md = (tmp_path / "run" / "report.md").read_text()
     assert "trained the readout only" in md and "never the core or prelude" in md
+
+
+# ---------------------------------------------------------------------------------------
+# activation checkpointing per core block: same gradients, and the window's visits really recomputed
+
+def test_activation_checkpointing_recomputes_the_window_with_the_same_gradients():
+    import looplm
+    from looplm.train.parallel import checkpoint_core
+    recipe = looplm.load_recipe("quickstart", {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2,
+                                               "model.n_core": 2})
+    torch.manual_seed(0)
+    plain = looplm.build_model(recipe).train()
+    ac = looplm.build_model(recipe).train()
+    ac.load_state_dict(plain.state_dict())
+    checkpoint_core(ac)
+    calls = []
+    for block in ac.core:   # the attention inside each block runs once per visit and once per recompute
+        real = block.attn.forward
+        block.attn.forward = lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1]
+    x = torch.randint(0, 257, (2, 16))
+    grads = []
+    for m in (plain, ac):
+        out = m(x, 5, backward_window=2, generator=torch.Generator().manual_seed(1))
+        n_forward = len(calls)
+        out.logits.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
+    # forward: 5 rounds x 2 blocks; the backward recomputes the 2 window rounds' 2 blocks, no more
+    assert n_forward == 10 and len(calls) - n_forward == 4

@@ -57,6 +57,13 @@ def two_process_runs(tmp_path_factory):
                      "overrides": {**OURO, "train.parallel": mode}})
         jobs.append({"out": str(tmp / f"stage2-{mode}"), "stage2_of": str(tmp / f"ouro-{mode}"),
                      "overrides": {"train.steps": 4, "train.parallel": mode}})
+    # gradient accumulation: the earlier micro-batches skip the reduction (no_sync / requires_gradient_sync)
+    for mode in ("ddp", "fsdp"):
+        jobs.append({"out": str(tmp / f"accum-{mode}"), "overrides": {**SAMPLED, "train.grad_accum": 2,
+                                                                       "train.parallel": mode}})
+    # activation checkpointing per core block composed with FSDP2: the same numbers
+    jobs.append({"out": str(tmp / "sampled-ac-fsdp"),
+                 "overrides": {**SAMPLED, "train.parallel": "fsdp", "train.activation_checkpointing": True}})
     # trained at 2 for 3 steps, then resumed at 2 (here) and at 1 (in the test)
     for name, mode in (("resume2", "fsdp"), ("resume1", "ddp")):
         jobs.append({"out": str(tmp / name), "overrides": {**SAMPLED, "train.parallel": mode}, "stop_after": 3})
@@ -73,11 +80,12 @@ def one_process_runs(tmp_path_factory):
     train(load_recipe("quickstart", SAMPLED), tmp / "sampled", quiet=True)
     train(load_recipe("ouro-style", OURO), tmp / "ouro", quiet=True)
     train(stage2_recipe(tmp / "ouro", {"train.steps": 4}), tmp / "stage2", quiet=True, init_from=tmp / "ouro")
+    train(load_recipe("quickstart", {**SAMPLED, "train.grad_accum": 2}), tmp / "accum", quiet=True)
     return tmp
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-@pytest.mark.parametrize("name", ["sampled", "ouro", "stage2"])
+@pytest.mark.parametrize("name", ["sampled", "ouro", "stage2", "accum"])
 def test_two_processes_match_one(two_process_runs, one_process_runs, name, mode):
     one, two = losses(one_process_runs / name), losses(two_process_runs / f"{name}-{mode}")
     assert len(one) == len(two) >= 4
@@ -86,14 +94,20 @@ def test_two_processes_match_one(two_process_runs, one_process_runs, name, mode)
     rep = json.loads((two_process_runs / f"{name}-{mode}" / "report.json").read_text())
     ref = json.loads((one_process_runs / name / "report.json").read_text())
     assert rep["world_size"] == 2 and rep["parallel"] == mode and ref["world_size"] == 1
-    assert rep["global_batch"] == {"sequences_per_step": 4, "per_process_micro_batch": 2, "processes": 2,
-                                   "grad_accum": 1}
+    accum = 2 if name == "accum" else 1
+    assert rep["global_batch"] == {"sequences_per_step": 4 * accum, "per_process_micro_batch": 2, "processes": 2,
+                                   "grad_accum": accum}
     assert len(rep["peak_rss_bytes_per_rank"]) == 2
     # what happened is recorded for the whole job, not one process
     for key in ("depth_histogram", "backward_histogram", "tokens_seen", "token_passes", "unique_tokens"):
         assert rep[key] == ref[key], key
     for r, v in ref["val_loss_by_rounds"].items():
         assert rep["val_loss_by_rounds"][r] == pytest.approx(v, rel=1e-4)
+
+
+def test_activation_checkpointing_under_fsdp_matches_one_process(two_process_runs, one_process_runs):
+    torch.testing.assert_close(torch.tensor(losses(two_process_runs / "sampled-ac-fsdp")),
+                               torch.tensor(losses(one_process_runs / "sampled")), **TOL)
 
 
 def test_resume_at_the_same_and_another_world_size(two_process_runs, one_process_runs):
@@ -111,6 +125,17 @@ def test_ranks_that_disagree_on_depth_fail_loudly(two_process_runs):
     for rank in (0, 1):
         text = (two_process_runs / "skew" / f"lockstep_rank{rank}.txt").read_text()
         assert "ranks disagree on depth" in text and "rank 0: rounds" in text and "rank 1: rounds" in text
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (nccl)")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_nccl_on_two_gpus_matches_one(tmp_path, mode):
+    over = {**SAMPLED, "train.device": "cuda"}
+    train(load_recipe("quickstart", over), tmp_path / "one", quiet=True)
+    proc = torchrun([{"out": str(tmp_path / "two"), "overrides": {**over, "train.parallel": mode}}], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_one_process_refuses_parallel_none_under_torchrun(monkeypatch, tmp_path):

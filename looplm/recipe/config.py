@@ -324,6 +324,10 @@ class TrainConfig:
     """Several processes (`torchrun --nproc-per-node N -m looplm train`): ddp replicates the model and
     all-reduces gradients; fsdp shards parameters, gradients and optimizer state with FSDP2 (each
     prelude, core and coda block a unit). Applied from outside the model; docs/distributed.md."""
+    activation_checkpointing: bool = False
+    """Keep no activations inside core blocks during the forward: each core block visit in the backward
+    window is recomputed in the backward (torch.utils.checkpoint, non-reentrant), applied from outside
+    the model. Trades about one more core forward per step for memory; the numbers are unchanged."""
     lockstep_check: Literal["start", "every"] = "start"
     """With several processes: all-gather and compare every rank's forward rounds and backward window
     at the first micro-batch (start) or at every one (every: a debug mode, one small collective each)."""

@@ -19,6 +19,7 @@ rank runs the same computation:
 - `lockstep(world, values)`: all-gather the per-micro-batch decisions (forward rounds, backward
   window) and fail loudly when ranks disagree.
 - `shard(world, n)`: the rows of a global batch of n that this rank computes.
+- `checkpoint_core(model)`: activation checkpointing per core block (train.activation_checkpointing).
 
 Batches are global: `train.batch_size` sequences per micro-batch over all ranks, split evenly,
 so one recipe means the same experiment at any world size (and a run can resume at another).
@@ -134,6 +135,22 @@ def parallelize(model: nn.Module, parallel: str, world: World) -> nn.Module:
         fully_shard(model)                                     # embedding, head, norms, gate
         return model
     raise ValueError(f"train.parallel {parallel!r}")
+
+
+def checkpoint_core(model: nn.Module) -> None:
+    """Activation checkpointing per core block (train.activation_checkpointing), from outside the model:
+    each block's forward runs under `torch.utils.checkpoint` (non-reentrant) when gradients are on, so
+    its activations are recomputed in the backward instead of stored. Rounds before the backward
+    window (no_grad) run as before. Apply before `parallelize`, as torchtitan does."""
+    from torch.utils.checkpoint import checkpoint
+    for block in model.core:
+        plain = block.forward
+
+        def forward(*args: Any, _plain=plain, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _plain(*args, **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+        block.forward = forward
 
 
 def no_sync(forward: nn.Module, parallel: str, last: bool) -> Any:

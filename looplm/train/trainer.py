@@ -33,8 +33,8 @@ from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation
 from ..model.losses import placement, supervised_loss
 from ..model.looped import LoopedLM, build_model
 from ..data.tokenizer import build_tokenizer, load_tokenizer
-from .parallel import (SINGLE, World, all_gather_ints, all_sum, close_world, full_tensor, init_world, lockstep,
-                       no_sync, parallelize, rank_device, shard)
+from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core, close_world, full_tensor, init_world,
+                       lockstep, no_sync, parallelize, rank_device, shard)
 
 
 def peak_rss_bytes() -> int:
@@ -288,6 +288,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     if recipe.train.stage == 2:                  # the LM frozen before DDP/FSDP see which parameters train
         for n, p in model.named_parameters():
             p.requires_grad_(n.startswith("gate."))
+    if recipe.train.activation_checkpointing:
+        checkpoint_core(model)
     parallel = recipe.train.parallel
     runner = parallelize(model, parallel, world)
     forward = compiled(runner, recipe.train.compile)
