@@ -279,6 +279,23 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if count[FAIL] else 0
 
 
+def cmd_lens(args: argparse.Namespace) -> int:
+    from .runs.checkpoint import load_run
+    from .evaluation.lens import lens_command
+
+    run = load_run(args.run, device=args.device)
+    rounds = None
+    if args.rounds is not None:
+        if args.rounds < 1:
+            raise UserError(f"--rounds {args.rounds}: must be a positive integer")
+        if run.recipe.model.untied and args.rounds != run.recipe.depth.rounds:
+            raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
+        rounds = args.rounds
+    table, text = lens_command(run, rounds, args.data)
+    _emit(table, args.json, text)
+    return 0
+
+
 def cmd_recipes(args: argparse.Namespace) -> int:
     from .recipe.config import builtin_recipes
     for name, line in builtin_recipes().items():
@@ -419,6 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     _device_arg(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
+
+    ln = sub.add_parser("lens", help="the logit lens: final norm + LM head at every block boundary of every round")
+    ln.add_argument("run")
+    ln.add_argument("--rounds", type=int, help="rounds to run (default: the recipe's depth.rounds)")
+    ln.add_argument("--data", help="text to read instead of the run's validation split (a JSONL file for task runs)")
+    _device_arg(ln)
+    ln.add_argument("--json", action="store_true")
+    ln.set_defaults(func=cmd_lens)
 
     sub.add_parser("recipes", help="list built-in recipes").set_defaults(func=cmd_recipes)
     r = sub.add_parser("recipe", help="recipe tools")

@@ -182,7 +182,12 @@ class LoopedLM(nn.Module):
         (B, V) at the last position with last_only (a decode step needs no other)."""
         for i, block in enumerate(self.coda):
             s = block(s, rope, cache, ("coda", r, i), ops)
-        return ops.linear(self.final_norm(s[:, -1] if last_only else s), self.head.weight)
+        return self.head_logits(s[:, -1] if last_only else s, ops)
+
+    def head_logits(self, h: Tensor, ops: Ops = EAGER) -> Tensor:
+        """Final norm and LM head on a hidden state (..., d) -> (..., V): the end of every readout,
+        and the logit lens at any block boundary (evaluation/lens.py)."""
+        return ops.linear(self.final_norm(h), self.head.weight)
 
     def hazard(self, s: Tensor) -> Tensor:
         return torch.sigmoid(self.gate(s).squeeze(-1))  # (B, T)
