@@ -322,6 +322,19 @@ def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_deeploop(args: argparse.Namespace) -> int:
+    from .recipe.config import load_recipe
+    from .experiments import deeploop as dl
+
+    recipe = load_recipe(args.recipe, {**(dl.QUICK if args.quick else dl.SMALL), **_overrides(args.set)})
+    out = args.out or f"runs/deeploop-{time.strftime('%Y%m%d-%H%M%S')}"
+    grid = dl.QUICK_GRID if args.quick else (dl.EXPONENTS, dl.ROUNDS, dl.SEEDS)
+    result = dl.run_deeploop(recipe, out, *grid)
+    _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json)",
+                                        *dl.summary_lines(result)]))
+    return 0
+
+
 def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cache", help="what prompt tokens keep: full, first, last or average (default full)")
     p.add_argument("--decode-cache", help="what generated tokens keep: full, first, last or average (default full)")
@@ -463,6 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
     xe.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
     xe.add_argument("--json", action="store_true")
     xe.set_defaults(func=cmd_experiment_extrapolate)
+    xd = xsub.add_parser("deeploop", help="DeepLoop exponents x rounds x seeds: which converge, at what loss")
+    xd.add_argument("--recipe", default="quickstart", help="built-in name or TOML path (default quickstart, smaller)")
+    xd.add_argument("--out", help="experiment folder (default runs/deeploop-TIMESTAMP)")
+    xd.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    xd.add_argument("--quick", action="store_true", help="2 exponents x 1 depth x 1 seed, seconds (tests, CI)")
+    xd.add_argument("--json", action="store_true")
+    xd.set_defaults(func=cmd_experiment_deeploop)
     return p
 
 

@@ -25,6 +25,6 @@ def test_flops_count_every_block_visit():
     f = flops_per_token(quick=True)
     d, ff, V, T = 64, 176, 512, 64
     block_params = 4 * d * d + 3 * d * ff
-    attn = 2 * 2 * d * T / 2
+    attn = 2 * 2 * d * (T + 1) / 2          # causal: token t attends to t + 1 keys, (T + 1) / 2 on average
     expected = 3 * (8 * (2 * block_params + attn) + 2 * d * V)
     assert f == pytest.approx(expected)

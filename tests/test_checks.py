@@ -20,8 +20,7 @@ from looplm.train.trainer import train
 from conftest import tiny_recipe
 
 NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved"}
-NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth",
-                         "flops_count_every_visit"}
+NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth"}
 
 
 def make_run(tmp_path, text_dir, name="run", **overrides):
@@ -131,6 +130,15 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
         parity = check_untied_parity(run)
         assert parity.status == "fail", parity.detail
     assert check_untied_parity(run).passed
+
+    # compute: a counter that forgets one product of every block visit
+    from looplm.checks import check_flops_count_every_visit
+    from looplm.model import flops as flops_mod
+    assert check_flops_count_every_visit(run).passed
+    with monkeypatch.context() as m:
+        real = flops_mod.block_matmul_params
+        m.setattr(flops_mod, "block_matmul_params", lambda cfg: real(cfg) - cfg.d_model * cfg.ffn_hidden)
+        assert check_flops_count_every_visit(run).status == "fail"
 
     # the backward window: autograd reaches rounds the record leaves out
     assert check_backward_window_measured(run).passed

@@ -425,6 +425,16 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
               "mean_rounds": sum(out.rounds_used) / max(len(out.rounds_used), 1), "max_rounds": engine.rounds,
               "exit": st["exit"], "prefill_cache": st["prefill_cache"], "decode_cache": st["decode_cache"],
               "missing_kv": st["missing"], "cache_bytes": st["cache_bytes"]}
+    # compute per token from the same counter as training (model/flops.py), beside the measured speed:
+    # each generated token at its rounds and position (its own pass; speculation's drafts and rejected
+    # columns are not in it), each prompt token at the prefill depth
+    from ..model.flops import decode_flops
+    cfg, gate = run.model.cfg, run.model.gate is not None
+    P = out.prompt_tokens
+    dec = [decode_flops(cfg, r, P + i, gate) for i, r in enumerate(out.rounds_used)]
+    pre = sum(decode_flops(cfg, engine.rounds, t, gate) for t in range(P)) / max(P, 1)
+    result["flops_per_token"] = {"decode": sum(dec) / max(len(dec), 1), "prefill": pre,
+                                 "decode_flops_per_s": sum(dec) / max(len(dec), 1) * st["decode_tokens_per_s"]}
     if "speculative" in st:
         result["speculative"] = st["speculative"]
     if out.logprobs is not None:

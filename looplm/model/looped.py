@@ -282,17 +282,26 @@ class LoopedLM(nn.Module):
         return c["embed"] + c["prelude"] + core + per_round * rounds + c["coda"] + c["head"]
 
     def flops_per_token(self, rounds: float, seq_len: int, backward_rounds: float | None = None) -> float:
-        """Training FLOPs per token: 2*matmul params per forward visit, 4*per backward visit, plus attention
-        (QK^T and AV over the causal mean length). Only gradient-visible rounds pay the backward."""
-        cfg = self.cfg
-        c = self.param_groups_by_role()
-        attn_per_block = 2 * 2 * cfg.n_heads * cfg.head_dim * (seq_len / 2)   # QK and AV, fwd
-        block_mm = sum(p.numel() for p in self.core[0].parameters() if p.dim() == 2)  # norms are not matmuls
-        block_fwd = 2 * block_mm + attn_per_block
-        per_round_fwd = cfg.n_core * block_fwd + 2 * (c["adapter"] + c["gate"])
-        fixed_fwd = (cfg.n_prelude + cfg.n_coda) * block_fwd + 2 * cfg.d_model * cfg.vocab_size
+        """Training FLOPs per token of a pass with every round in the backward (or backward_rounds of
+        them) and one supervised readout (model/flops.py counts every visit)."""
+        from .flops import Visits, train_flops_per_token
         b = rounds if backward_rounds is None else backward_rounds
-        return 3 * fixed_fwd + per_round_fwd * (rounds + 2 * b)
+        visits = Visits(rounds=rounds, grad_rounds=b, readouts=1, grad_readouts=1,
+                        prelude_grad=bool(b) and self.cfg.n_prelude > 0)
+        return train_flops_per_token(self.cfg, visits, seq_len, self.gate is not None)
+
+
+def untied_copy(model: LoopedLM, rounds: int) -> LoopedLM:
+    """The same function as `model` at `rounds` rounds, written as an untied stack: round r has its own
+    copies of the K core blocks (block (r-1)*K + i holds core block i's weights), everything else shared
+    as is. What a looped model is compared against (`looplm check`), and how the gradient each visit
+    of a shared block contributes is measured (train/alignment.py): the copies' gradients are the visits'."""
+    import dataclasses
+    untied = LoopedLM(dataclasses.replace(model.cfg, untied=True), rounds=rounds, exit_gate=model.gate is not None)
+    state, K = model.state_dict(), model.cfg.n_core
+    untied.load_state_dict({key: state[f"core.{int(key.split('.')[1]) % K}.{key.split('.', 2)[2]}"]
+                            if key.startswith("core.") else state[key] for key in untied.state_dict()})
+    return untied.to(model.embed.weight.device)
 
 
 def build_model(recipe: Any) -> LoopedLM:

@@ -328,6 +328,11 @@ class TrainConfig:
     """Keep no activations inside core blocks during the forward: each core block visit in the backward
     window is recomputed in the backward (torch.utils.checkpoint, non-reentrant), applied from outside
     the model. Trades about one more core forward per step for memory; the numbers are unchanged."""
+    alignment_every: int = 0
+    """Every N steps (0 = never), measure DeepLoop's alignment of the shared core's per-visit gradients on
+    the step's first micro-batch: ||sum_r g_r||^2 / sum_r ||g_r||^2 (1 decorrelated .. R coherent) and
+    the visits' pairwise cosines, into metrics.jsonl. Each measurement costs one more forward and
+    backward with R copies of the core (train/alignment.py)."""
     lockstep_check: Literal["start", "every"] = "start"
     """With several processes: all-gather and compare every rank's forward rounds and backward window
     at the first micro-batch (start) or at every one (every: a debug mode, one small collective each)."""
@@ -350,6 +355,9 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "eval_batches"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _check(self.threads >= 0, "train.threads", "must be >= 0")
+        _check(self.alignment_every >= 0, "train.alignment_every", "must be >= 0 (0 = never)")
+        _check(not (self.alignment_every and self.parallel == "fsdp"), "train.alignment_every",
+               "is measured on a whole copy of the model, not with train.parallel = fsdp (use ddp or none)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,6 +393,8 @@ class Recipe:
             _check(self.supervision.kind != "learned_exit" and self.train.stage == 1, "data.round_targets",
                    '"trace" needs per-round supervision: not supervision.kind = learned_exit or train.stage = 2')
         if self.model.untied:
+            _check(not self.train.alignment_every, "train.alignment_every",
+                   "needs a shared core; the untied baseline has one block per visit")
             _check(self.depth.kind == "fixed", "model.untied",
                    "needs depth.kind = fixed (an untied stack has one block per visit)")
         _check(self.data.seq_len <= self.model.context, "data.seq_len",

@@ -31,6 +31,7 @@ from ..device import autocast, compiled, grad_scaler, peak_device_memory_bytes, 
 from ..errors import UserError
 from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation_rounds
 from ..model.losses import placement, supervised_loss
+from ..model.flops import Visits, prelude_receives_gradient, train_flops_per_token
 from ..model.looped import LoopedLM, build_model
 from ..data.tokenizer import build_tokenizer, load_tokenizer
 from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core, close_world, full_tensor, init_world,
@@ -88,6 +89,8 @@ class Counters:
     train_flops: float = 0.0
     losses: list[float] = field(default_factory=list)
     train_time_s: float = 0.0
+    last_visits: Visits | None = None
+    """The block visits of the last micro-batch, as counted into train_flops (not saved)."""
 
     def to_state(self) -> dict[str, torch.Tensor]:
         def hist(c: Counter) -> torch.Tensor:
@@ -196,7 +199,15 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     counters.fallback_steps += int(place.fallback)
     counters.tokens_seen += x.numel()
     counters.token_passes += x.numel() * rounds
-    counters.train_flops += x.numel() * model.flops_per_token(rounds, x.shape[1], len(out.grad_rounds))
+    # every visit that ran: the rounds, the backward over the window, each supervised readout (coda and
+    # head, backward where it carries a loss), the prelude's backward where the gradient reaches it
+    stage1 = recipe.train.stage == 1
+    visits = Visits(rounds=rounds, grad_rounds=len(out.grad_rounds), readouts=len(place.rounds),
+                    grad_readouts=len(place.rounds) if stage1 else 0,
+                    prelude_grad=stage1 and prelude_receives_gradient(model.cfg, out.grad_rounds),
+                    gate_grad=model.gate is not None and (not stage1 or supervision.kind == "learned_exit"))
+    counters.train_flops += x.numel() * train_flops_per_token(model.cfg, visits, x.shape[1], model.gate is not None)
+    counters.last_visits = visits
     return loss.item() / world.size, out, info
 
 
@@ -331,7 +342,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         lr = lr_at(step, recipe)
         for group in opt.param_groups:
             group["lr"] = lr
-        log_now = step % recipe.train.log_every == 0 or step == total - 1
+        align_now = bool(recipe.train.alignment_every) and step % recipe.train.alignment_every == 0
+        log_now = step % recipe.train.log_every == 0 or step == total - 1 or align_now
         step_loss, depths, info, out = 0.0, [], {}, None
         before_counts = (counters.tokens_seen, counters.token_passes, counters.train_flops)
         for micro in range(accum):
@@ -344,6 +356,10 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
                                              **(task_opts[0] if task_opts else {}))
             step_loss += loss / accum
             depths.append(out.rounds)
+            if align_now and micro == 0 and world.main:    # before the optimizer step: this step's weights
+                from .alignment import measure_alignment
+                alignment = measure_alignment(model, recipe, x, y, step, 0, out.rounds,
+                                              task_opts[0] if task_opts else None)
             tok_window += x.numel()  # task batches vary in length
         if world.size > 1:   # the step's global loss and the work every process did
             delta = [a - b for a, b in zip((counters.tokens_seen, counters.token_passes, counters.train_flops),
@@ -373,6 +389,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             if "round_losses" in info:
                 row["round_losses"] = {str(k): v for k, v in info["round_losses"].items()}
             row.update(round_diagnostics(out))
+            if align_now and world.main:
+                row["alignment"] = alignment
             with torch.no_grad():   # sharded tensors (FSDP) sum over every process's shard
                 num = sum(full_tensor((p - b).pow(2).sum()) for p, b in zip(model.core.parameters(), before))
                 den = sum(full_tensor(b.pow(2).sum()) for b in before)

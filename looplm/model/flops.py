@@ -1,0 +1,84 @@
+"""Compute counted over every visit: FLOPs per token of a looped model's forward and backward.
+
+A shared core block stored once runs R times, and each run costs what an untied block costs;
+deduplicating reused matrices understates compute. So the count goes by visits:
+
+    block(L)   = 2 * matmul parameters of one block + 4 * n_heads * head_dim * L
+                 (the products, then QK^T and AV against L keys)
+    forward    = n_prelude * block + R * (n_core * block + adapter + gate)
+                 + readouts * (n_coda * block + head)            head = 2 * d_model * vocab
+    backward   = 2 * (prelude if gradient reaches it + G * (n_core * block + adapter)
+                      + gate rounds * gate + readouts with a loss * (n_coda * block + head))
+
+R: rounds run; G: rounds inside the backward window up to the last supervised readout (what
+autograd reaches, `LoopOutput.grad_rounds`); readouts: supervised rounds read out (each runs the
+coda and the head, Ouro's every-round readout pays R of them). Training attends causally over T
+tokens, L = (T + 1) / 2 keys on average; a decoded token at position t attends to t + 1 keys.
+`looplm check` compares this count with PyTorch's own FLOP counter on a real forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Visits:
+    """What one token's pass ran: rounds, rounds with gradient, readouts, readouts with a loss, and
+    whether the gradient reached the prelude."""
+
+    rounds: int
+    grad_rounds: int = 0
+    readouts: int = 1
+    grad_readouts: int = 0
+    prelude_grad: bool = False
+    gate_grad: bool = False
+
+
+def block_matmul_params(cfg) -> int:
+    """Multiply-adds per token of one block's products (q, k, v, o, gate, up, down), from the shapes."""
+    d, h, kv, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
+    return d * h * dh + 2 * d * kv * dh + h * dh * d + 3 * d * f
+
+
+def block_flops(cfg, keys: float) -> float:
+    """Forward FLOPs per token of one block attending to `keys` keys."""
+    return 2 * block_matmul_params(cfg) + 4 * cfg.n_heads * cfg.head_dim * keys
+
+
+def _pieces(cfg, exit_gate: bool) -> tuple[float, float, float]:
+    """(head, adapter, gate) forward FLOPs per token."""
+    head = 2 * cfg.d_model * cfg.vocab_size
+    adapter = 2 * (2 * cfg.d_model) * cfg.d_model if cfg.injection == "concat" else 0
+    gate = 2 * cfg.d_model if exit_gate else 0
+    return head, adapter, gate
+
+
+def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False) -> dict[str, float]:
+    """{"forward", "backward", "total"} FLOPs per token for one pass with `visits`, each block
+    attending to `keys` keys."""
+    blk = block_flops(cfg, keys)
+    head, adapter, gate = _pieces(cfg, exit_gate)
+    core_round = cfg.n_core * blk + adapter
+    readout = cfg.n_coda * blk + head
+    fwd = cfg.n_prelude * blk + visits.rounds * (core_round + gate) + visits.readouts * readout
+    bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round
+               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout)
+    return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
+
+
+def train_flops_per_token(cfg, visits: Visits, seq_len: int, exit_gate: bool = False) -> float:
+    """Training FLOPs per token of a micro-batch of length seq_len (causal attention)."""
+    return pass_flops(cfg, visits, (seq_len + 1) / 2, exit_gate)["total"]
+
+
+def decode_flops(cfg, rounds: int, position: int, exit_gate: bool = False) -> float:
+    """Forward FLOPs of decoding one token at `position` (0-based) with `rounds` rounds and one readout."""
+    return pass_flops(cfg, Visits(rounds=rounds), position + 1, exit_gate)["forward"]
+
+
+def prelude_receives_gradient(cfg, grad_rounds: tuple[int, ...] | list[int]) -> bool:
+    """The prelude's output enters every round through injection, or only round 1 as its initial state."""
+    if not grad_rounds or cfg.n_prelude == 0:
+        return False
+    return cfg.injection != "none" or (cfg.init_state == "prelude" and 1 in grad_rounds)

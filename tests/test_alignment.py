@@ -1,0 +1,68 @@
+"""DeepLoop's alignment ratio: 1 for orthogonal visit gradients, R for identical ones; the measured
+visits of a real model sum to the shared core's gradient; the trainer logs it when asked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import looplm
+from looplm.errors import UserError
+from looplm.train.alignment import alignment_stats, visit_gradients
+from looplm.train.trainer import Counters, train, train_step
+
+TINY = {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2, "model.n_core": 2,
+        "depth.kind": "fixed", "depth.rounds": 4, "backward.window": 3, "data.seq_len": 16, "model.context": 32,
+        "train.batch_size": 2}
+
+
+@pytest.mark.parametrize("R", [2, 3, 5])
+def test_ratio_is_one_for_orthogonal_and_R_for_identical_visits(R):
+    eye = torch.eye(R * 3)
+    orthogonal = [{"w": eye[r].view(3, R), "b": torch.zeros(2)} for r in range(R)]
+    assert alignment_stats(orthogonal)["ratio"] == pytest.approx(1.0)
+    assert alignment_stats(orthogonal)["mean_pairwise_cosine"] == pytest.approx(0.0)
+    g = {"w": torch.randn(3, R), "b": torch.randn(2)}
+    same = alignment_stats([{k: v.clone() for k, v in g.items()} for _ in range(R)])
+    assert same["ratio"] == pytest.approx(R) and same["mean_pairwise_cosine"] == pytest.approx(1.0)
+    opposite = alignment_stats([g, {k: -v for k, v in g.items()}])
+    assert opposite["ratio"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_measured_visits_sum_to_the_shared_gradient():
+    recipe = looplm.load_recipe("quickstart", TINY)
+    torch.manual_seed(0)
+    model = looplm.build_model(recipe).train()
+    x = torch.randint(0, 257, (2, 16))
+    y = torch.roll(x, -1, 1)
+    train_step(model, recipe, x, y, 5, 0, Counters(), rounds=4)
+    visits, used = visit_gradients(model, recipe, x, y, 5, 0, 4)
+    assert used == [2, 3, 4], "window 3 of 4 rounds: visits 2..4 carry gradient"
+    for i, block in enumerate(model.core):
+        for n, p in block.named_parameters():
+            total = sum(v[f"core.{i}.{n}"] for v in visits)
+            torch.testing.assert_close(total, p.grad, rtol=1e-5, atol=1e-8)
+    stats = alignment_stats(visits)
+    assert 0.0 < stats["ratio"] < len(visits) + 1e-9
+
+
+def test_trainer_logs_alignment_when_asked(tmp_path):
+    over = {**TINY, "train.steps": 4, "train.log_every": 10, "train.alignment_every": 2, "train.eval_batches": 1,
+            "data.max_bytes": 30_000, "depth.kind": "lognormal_poisson", "depth.mean": 3}
+    train(looplm.load_recipe("quickstart", over), tmp_path / "run", quiet=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r.get("alignment") for r in rows}
+    assert set(logged) >= {0, 2, 3} and logged[0] and logged[2] and logged[3] is None
+    for step in (0, 2):
+        a = logged[step]
+        assert a["rounds_with_gradient"] == list(range(max(1, a["rounds"] - 2), a["rounds"] + 1))
+        assert a["visits"] == len(a["rounds_with_gradient"])
+
+
+def test_alignment_refused_where_it_cannot_be_measured():
+    with pytest.raises(UserError, match="alignment_every"):
+        looplm.load_recipe("quickstart", {"train.alignment_every": 5, "train.parallel": "fsdp"})
+    with pytest.raises(UserError, match="alignment_every"):
+        looplm.load_recipe("quickstart", {"train.alignment_every": 5, "model.untied": True, "depth.kind": "fixed"})

@@ -1,0 +1,91 @@
+"""Compute counted over every visit: a 2-block, 3-round model counted by hand, and the counter's
+products against PyTorch's own FLOP counter on real forward and backward passes (the trainer's
+record of each micro-batch included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import looplm
+from looplm.model.flops import Visits, decode_flops, pass_flops, train_flops_per_token
+from looplm.train.trainer import Counters, train_step
+
+SMALL = {"model.d_model": 64, "model.n_heads": 2, "model.n_kv_heads": 1, "model.head_dim": 32,
+         "model.ffn_hidden": 96, "model.n_core": 2, "model.n_prelude": 1, "model.n_coda": 1,
+         "model.vocab_size": 300, "data.seq_len": 16, "model.context": 32}
+
+
+def test_two_blocks_three_rounds_by_hand():
+    cfg = looplm.load_recipe("quickstart", SMALL).model
+    # one block's products per token: q 64x64, k and v 64x32 each, o 64x64, gate/up 64x96 each, down 96x64
+    mm = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96          # = 30,720 multiply-adds
+    assert mm == 30_720
+    T = 16
+    attn = 4 * 2 * 32 * (T + 1) / 2                               # QK^T and AV: 2 heads of 32, 8.5 keys
+    block = 2 * mm + attn
+    head = 2 * 64 * 300
+    # prelude 1 + 3 rounds x 2 core blocks + one readout (coda 1 + head)
+    forward = 1 * block + 3 * 2 * block + (1 * block + head)
+    assert train_flops_per_token(cfg, Visits(rounds=3), T) == pytest.approx(forward)
+    # full backward: twice the forward of everything the gradient passes through
+    full = Visits(rounds=3, grad_rounds=3, readouts=1, grad_readouts=1, prelude_grad=True)
+    assert train_flops_per_token(cfg, full, T) == pytest.approx(3 * forward)
+    # backward window 1: the prelude and rounds 1-2 run forward only; every round read out (3 readouts)
+    win = Visits(rounds=3, grad_rounds=1, readouts=3, grad_readouts=3, prelude_grad=False)
+    fwd3 = 1 * block + 6 * block + 3 * (block + head)
+    assert train_flops_per_token(cfg, win, T) == pytest.approx(fwd3 + 2 * (2 * block + 3 * (block + head)))
+    # decoding the token at position 9 with 2 rounds: every block attends to 10 keys
+    b10 = 2 * mm + 4 * 2 * 32 * 10
+    assert decode_flops(cfg, 2, 9) == pytest.approx(b10 + 2 * 2 * b10 + b10 + head)
+
+
+def _measured_mm(fn) -> float:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    counts = fc.get_flop_counts()["Global"]
+    # the CPU attention kernel is not in PyTorch's counter: compare the products
+    return float(sum(v for k, v in counts.items() if "mm" in str(k) or "addmm" in str(k)))
+
+
+# (overrides, backward window, supervision, the visits that run by hand: grad rounds, readouts, prelude gradient)
+CASES = [({}, None, "final", 3, 1, True),                    # injection "add": the prelude feeds every round
+         ({}, 1, "final", 1, 1, True),
+         ({}, 2, "every", 2, 3, True),                       # 3 readouts, each with a loss
+         ({"model.injection": "none", "model.init_state": "prelude"}, 2, "final", 2, 1, False),
+         ({"model.injection": "none", "model.init_state": "prelude"}, None, "final", 3, 1, True),
+         ({"model.injection": "concat"}, 2, "final", 2, 1, True)]
+
+
+@pytest.mark.parametrize("over,window,sup,grad_rounds,readouts,prelude_grad", CASES)
+def test_trainer_record_equals_measured_products(over, window, sup, grad_rounds, readouts, prelude_grad):
+    recipe = looplm.load_recipe("quickstart", {**SMALL, **over, "depth.kind": "fixed", "depth.rounds": 3,
+                                               "backward.window": window or "all", "supervision.kind": sup})
+    torch.manual_seed(0)
+    model = looplm.build_model(recipe).train()
+    x = torch.randint(0, 300, (2, 16))
+    counters = Counters()
+    measured = _measured_mm(lambda: train_step(model, recipe, x, x, 0, 0, counters, rounds=3))
+    hand = Visits(rounds=3, grad_rounds=grad_rounds, readouts=readouts, grad_readouts=readouts,
+                  prelude_grad=prelude_grad)
+    # what the hand-listed visits multiply is what PyTorch counted (no keys: products only) ...
+    assert pass_flops(model.cfg, hand, 0)["total"] * x.numel() == pytest.approx(measured, rel=1e-9)
+    # ... and the trainer recorded exactly those visits (with attention's term)
+    assert counters.train_flops == pytest.approx(x.numel() * train_flops_per_token(model.cfg, hand, 16), rel=1e-12)
+
+
+def test_generate_reports_flops_beside_speed(tmp_path):
+    from looplm.inference.engine import generate_for_run
+    from looplm.runs.checkpoint import load_run
+    from looplm.train.trainer import train
+    train(looplm.load_recipe("quickstart", {**SMALL, "model.vocab_size": 300, "train.steps": 1,
+                                            "train.batch_size": 2, "train.eval_batches": 1,
+                                            "data.max_bytes": 20_000}), tmp_path / "r", quiet=True)
+    run = load_run(tmp_path / "r")
+    out = generate_for_run(run, "hello", max_new_tokens=4, rounds=2)
+    P = out["prompt_tokens"]
+    want = sum(decode_flops(run.model.cfg, r, P + i) for i, r in enumerate(out["rounds_used"])) / 4
+    assert out["flops_per_token"]["decode"] == pytest.approx(want)
+    assert out["flops_per_token"]["decode_flops_per_s"] == pytest.approx(want * out["decode_tokens_per_s"])
+    assert pass_flops(run.model.cfg, Visits(rounds=2), 1)["backward"] == 0
