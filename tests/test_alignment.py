@@ -66,3 +66,26 @@ def test_alignment_refused_where_it_cannot_be_measured():
         looplm.load_recipe("quickstart", {"train.alignment_every": 5, "train.parallel": "fsdp"})
     with pytest.raises(UserError, match="alignment_every"):
         looplm.load_recipe("quickstart", {"train.alignment_every": 5, "model.untied": True, "depth.kind": "fixed"})
+
+
+def test_update_ratio_per_shared_tensor_equals_the_weights_change(tmp_path):
+    """metrics.jsonl's update_ratio of each core tensor at step 1 = ||W_after - W_before|| / ||W_before||,
+    read from the checkpoints on either side of that step; the report plots the per-round telemetry."""
+    from safetensors.torch import load_file
+    over = {**TINY, "train.steps": 2, "train.log_every": 1, "train.checkpoint_every": 1, "train.eval_batches": 1,
+            "data.max_bytes": 30_000}
+    recipe = looplm.load_recipe("quickstart", over)
+    run = tmp_path / "run"
+    train(recipe, run, quiet=True, stop_after=1)
+    before = load_file(str(run / "checkpoint" / "model.safetensors"))
+    train(recipe, run, quiet=True, resume=True)
+    after = load_file(str(run / "checkpoint" / "model.safetensors"))
+    row = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1]
+    assert row["step"] == 1
+    names = [k for k in before if k.startswith("core.")]
+    assert sorted(row["update_ratio"]) == sorted(names)
+    for k in names:
+        want = ((after[k] - before[k]).norm() / before[k].norm()).item()
+        assert row["update_ratio"][k] == pytest.approx(want, rel=1e-4, abs=1e-9)
+    assert all(v is None or v > 0 for v in row["grad_rms"]) and len(row["state_rms"]) == len(row["update_rms"])
+    assert (run / "round_telemetry.png").is_file() and "round_telemetry.png" in (run / "report.md").read_text()

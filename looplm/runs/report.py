@@ -164,7 +164,38 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
     if report.get("val_loss_extrapolation"):
         plot_depth_extrapolation(run_dir / "depth_extrapolation.png", report)
         names.append("depth_extrapolation.png")
+    if any(r.get("state_rms") for r in rows):
+        plot_round_telemetry(run_dir / "round_telemetry.png", rows)
+        names.append("round_telemetry.png")
     return names
+
+
+def plot_round_telemetry(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Per-round state, update and gradient RMS at the first, middle and last logged steps (x: round),
+    and every shared core tensor's update-to-weight ratio over training (metrics.jsonl)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logged = [r for r in rows if r.get("state_rms")]
+    picks = sorted({0, len(logged) // 2, len(logged) - 1})
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
+    for ax, key, title in zip(axes, ("state_rms", "update_rms", "grad_rms"),
+                              ("state RMS", "update (branch) RMS", "gradient RMS at the state")):
+        for i in picks:
+            vals = [float("nan") if v is None else v for v in logged[i][key]]
+            ax.plot(range(1, len(vals) + 1), vals, marker="o", label=f"step {logged[i]['step']}")
+        ax.set_xlabel("round"); ax.set_title(title); ax.set_yscale("log")
+    axes[0].legend(fontsize=7)
+    ax = axes[3]
+    with_ratio = [r for r in rows if r.get("update_ratio")]
+    for name in (with_ratio[0]["update_ratio"] if with_ratio else {}):
+        ax.plot([r["step"] for r in with_ratio], [r["update_ratio"][name] for r in with_ratio], lw=0.8)
+    ax.set_xlabel("step"); ax.set_yscale("log"); ax.set_title("update / weight, each shared core tensor")
+    fig.suptitle("Per-round telemetry (grad RMS is absent before the backward window)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_depth_extrapolation(path: Path, report: dict[str, Any]) -> None:
@@ -207,7 +238,7 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     write_text(run_dir / "report.md", render_markdown(report, plots))
 
 
-PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png")
+PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png", "round_telemetry.png")
 
 
 def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] | None = None) -> bool:

@@ -373,7 +373,7 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         params = [p for g in opt.param_groups for p in g["params"]]
         scaler.unscale_(opt)        # clip the true gradients (a no-op unless fp16)
         gnorm = full_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))).item()
-        before = [p.detach().clone() for p in model.core.parameters()] if log_now else None
+        before = [(n, p.detach().clone()) for n, p in model.core.named_parameters()] if log_now else None
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
@@ -392,9 +392,11 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             if align_now and world.main:
                 row["alignment"] = alignment
             with torch.no_grad():   # sharded tensors (FSDP) sum over every process's shard
-                num = sum(full_tensor((p - b).pow(2).sum()) for p, b in zip(model.core.parameters(), before))
-                den = sum(full_tensor(b.pow(2).sum()) for b in before)
-                row["core_update_ratio"] = math.sqrt(num.item() / max(den.item(), 1e-30))
+                sq = [(n, full_tensor((p - b).pow(2).sum()).item(), full_tensor(b.pow(2).sum()).item())
+                      for p, (n, b) in zip(model.core.parameters(), before)]
+                row["core_update_ratio"] = math.sqrt(sum(d for _, d, _ in sq) / max(sum(w for _, _, w in sq), 1e-30))
+                # ||dW|| / ||W|| of every shared core tensor: the update each visit's sum produced
+                row["update_ratio"] = {f"core.{n}": math.sqrt(d / max(w, 1e-30)) for n, d, w in sq}
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
