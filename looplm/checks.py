@@ -287,10 +287,59 @@ def check_token_accounting(run: Run) -> CheckResult:
                        f"token-passes {r['token_passes']:,} (= sum of sampled rounds x tokens per micro-batch: {expected:,})")
 
 
+def check_engine_request_reset(run: Run) -> CheckResult:
+    """The cached engine keeps no state between requests: a request decoded before and after another
+    request (with its own prompt, a different length) gives the same tokens and rounds."""
+    from .inference.engine import Engine, SamplingParams
+    engine = Engine.from_run(run)
+    ids = _sample_ids(run, 12)[0].tolist()
+    a, b = ids[:5], ids[5:12]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    def once(prompt: list[int]) -> tuple[list[int], list[int]]:
+        out = engine.generate([prompt], params)[0]
+        return list(out.tokens), list(out.rounds_used)
+    first = once(a)
+    once(b)
+    again = once(a)
+    return CheckResult("engine_request_reset", first == again,
+                       f"the same request before and after another: tokens {first[0]} then {again[0]}, "
+                       f"rounds {first[1]} then {again[1]}")
+
+
+def check_round_telemetry(run: Run) -> CheckResult:
+    """metrics.jsonl carries per-round telemetry at every logged step: state and update RMS for each
+    round run, finite; gradient RMS finite inside the backward window and null exactly before it."""
+    import json
+    import math
+    name = "round_telemetry_present"
+    path = run.path / "metrics.jsonl"
+    if not path.is_file():
+        return CheckResult(name, False, "the run has no metrics.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    bad = []
+    for r in rows:
+        R = r.get("rounds", [None])[-1]
+        st, up, gr = r.get("state_rms"), r.get("update_rms"), r.get("grad_rms")
+        if st is None or up is None or gr is None or not (len(st) == len(up) == len(gr) == R):
+            bad.append(f"step {r.get('step')}: missing or not one value per round")
+            continue
+        if not all(math.isfinite(v) for v in st + up):
+            bad.append(f"step {r['step']}: non-finite state/update RMS")
+        window = r.get("grad_rounds") or []
+        if any(v is not None and not math.isfinite(v) for v in gr):
+            bad.append(f"step {r['step']}: non-finite gradient RMS")
+        elif window and any((v is None) != (i < min(window)) for i, v in enumerate(gr, start=1)):
+            bad.append(f"step {r['step']}: gradient RMS present before the backward window or missing inside it")
+    return CheckResult(name, bool(rows) and not bad,
+                       f"{len(rows)} logged steps, each with state, update and gradient RMS per round"
+                       if not bad else "; ".join(bad[:3]))
+
+
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
-    check_token_accounting,
+    check_token_accounting, check_engine_request_reset, check_round_telemetry,
 ]
 
 

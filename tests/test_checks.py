@@ -140,6 +140,32 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
         m.setattr(flops_mod, "block_matmul_params", lambda cfg: real(cfg) - cfg.d_model * cfg.ffn_hidden)
         assert check_flops_count_every_visit(run).status == "fail"
 
+    # the engine: a request that leaves state behind for the next one
+    from looplm.checks import check_engine_request_reset, check_round_telemetry
+    from looplm.inference import engine as engine_mod
+    assert check_engine_request_reset(run).passed
+    with monkeypatch.context() as m:
+        real_noise = engine_mod.Engine.initial_noise
+        drawn = {"n": 0}
+
+        def carried(self, plist, ref):     # initial states drawn from a stream that runs on across requests
+            drawn["n"] += 1
+            table = real_noise(self, plist, ref)
+            return None if table is None else table + 0.5 * drawn["n"]
+        m.setattr(engine_mod.Engine, "initial_noise", carried)
+        broken = check_engine_request_reset(run)
+        assert broken.status == "fail", broken.detail
+
+    # telemetry: a logged step without per-round RMS, or a gradient RMS before the window
+    assert check_round_telemetry(run).passed
+    metrics = run.path / "metrics.jsonl"
+    good = metrics.read_text()
+    rows = [json.loads(line) for line in good.splitlines()]
+    rows[0]["grad_rms"][0] = 0.5 if rows[0]["grad_rms"][0] is None else None
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert check_round_telemetry(run).status == "fail"
+    metrics.write_text(good)
+
     # the backward window: autograd reaches rounds the record leaves out
     assert check_backward_window_measured(run).passed
     with monkeypatch.context() as m:
