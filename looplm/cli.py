@@ -469,20 +469,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("experiment", help="experiments built from recipes")
     xsub = x.add_subparsers(dest="experiment", required=True)
-    xe = xsub.add_parser("extrapolate", help="train on easy task cases, evaluate harder ones with more rounds")
-    xe.add_argument("--recipe", default="extrapolate", help="built-in name or TOML path (default extrapolate)")
-    xe.add_argument("--out", help="experiment folder (default runs/NAME-TIMESTAMP)")
-    xe.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
-    xe.add_argument("--quick", action="store_true", help="a seconds-long smoke-test size (tests, CI)")
-    xe.add_argument("--json", action="store_true")
-    xe.set_defaults(func=cmd_experiment_extrapolate)
-    xd = xsub.add_parser("deeploop", help="DeepLoop exponents x rounds x seeds: which converge, at what loss")
-    xd.add_argument("--recipe", default="quickstart", help="built-in name or TOML path (default quickstart, smaller)")
-    xd.add_argument("--out", help="experiment folder (default runs/deeploop-TIMESTAMP)")
-    xd.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
-    xd.add_argument("--quick", action="store_true", help="2 exponents x 1 depth x 1 seed, seconds (tests, CI)")
-    xd.add_argument("--json", action="store_true")
-    xd.set_defaults(func=cmd_experiment_deeploop)
+    for name, help_, recipe, quick, func in (
+            ("extrapolate", "train on easy task cases, evaluate harder ones with more rounds", "extrapolate",
+             "a seconds-long smoke-test size (tests, CI)", cmd_experiment_extrapolate),
+            ("deeploop", "DeepLoop exponents x rounds x seeds: which converge, at what loss", "quickstart",
+             "2 exponents x 1 depth x 1 seed, seconds (tests, CI)", cmd_experiment_deeploop)):
+        xp = xsub.add_parser(name, help=help_)
+        xp.add_argument("--recipe", default=recipe, help=f"built-in name or TOML path (default {recipe})")
+        xp.add_argument("--out", help="experiment folder (default runs/NAME-TIMESTAMP)")
+        xp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+        xp.add_argument("--quick", action="store_true", help=quick)
+        xp.add_argument("--json", action="store_true")
+        xp.set_defaults(func=func)
     return p
 
 

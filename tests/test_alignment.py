@@ -38,7 +38,7 @@ def test_measured_visits_sum_to_the_shared_gradient():
     x = torch.randint(0, 257, (2, 16))
     y = torch.roll(x, -1, 1)
     train_step(model, recipe, x, y, 5, 0, Counters(), rounds=4)
-    visits, used = visit_gradients(model, recipe, x, y, 5, 0, 4)
+    visits, used = visit_gradients(model, recipe, 4, lambda m, rec: train_step(m, rec, x, y, 5, 0, Counters(), rounds=4))
     assert used == [2, 3, 4], "window 3 of 4 rounds: visits 2..4 carry gradient"
     for i, block in enumerate(model.core):
         for n, p in block.named_parameters():

@@ -22,7 +22,7 @@ def test_quick_sweep_runs_and_reports_every_trial(tmp_path, capsys):
                   (out / f"deeploop-p{t['p']:g}-R2-s0" / "metrics.jsonl").read_text().splitlines()]
         # the stated criterion, recomputed from the run's own record
         want = all(map(math.isfinite, losses)) and run["train_loss_final"] <= CONVERGED_FRACTION * losses[0]
-        assert t["converged"] == want
+        assert t["converged"] == want and t["val_loss"] == run["val_loss_extrapolation"]["2"]
         assert t["alignment_ratio"] is not None and 0 < t["alignment_ratio"] <= 2 + 1e-9   # 2 visits
     assert result["failed_trials"] == sum(not t["converged"] for t in result["trials"])
     assert "Failed trials" in (out / "report.md").read_text()

@@ -54,7 +54,8 @@ def run_trial(recipe: Recipe, out: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows]
     R = recipe.depth.rounds
-    val = report["val_loss_by_rounds"].get(str(R))
+    # held-out loss at the trained depth (the report's depth-extrapolation pass reads every depth)
+    val = report["val_loss_by_rounds"].get(str(R), report.get("val_loss_extrapolation", {}).get(str(R)))
     finite = all(math.isfinite(x) for x in losses) and val is not None and math.isfinite(val)
     final = report["train_loss_final"]
     ratios = [r["alignment"]["ratio"] for r in rows if r.get("alignment") and r["alignment"]["ratio"] is not None]

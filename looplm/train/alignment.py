@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -48,13 +48,13 @@ def alignment_stats(visits: list[dict[str, Tensor]]) -> dict[str, Any]:
             "per_tensor": per_tensor, "visit_norms": [f.norm().item() for f in flat]}
 
 
-def visit_gradients(model, recipe, x: Tensor, y: Tensor, step: int, micro: int, rounds: int,
-                    options: dict[str, Any] | None = None) -> tuple[list[dict[str, Tensor]], list[int]]:
+def visit_gradients(model, recipe, rounds: int, run_step: Callable[[Any, Any], Any]
+                    ) -> tuple[list[dict[str, Tensor]], list[int]]:
     """Each visit's gradient of the shared core tensors for one training micro-batch, measured on an
     untied copy: ([{core tensor name: gradient}] per visit with gradient, those visits' rounds).
-    options: the micro-batch's train_step options (task data: mask, supervision, round targets)."""
+    run_step(model, recipe): the trainer's forward and backward of that micro-batch at `rounds`
+    rounds, run here on the copy with the training recipe made untied."""
     from ..model.looped import untied_copy
-    from .trainer import Counters, train_step
 
     K = model.cfg.n_core
     copy = untied_copy(model, rounds).train()
@@ -62,8 +62,7 @@ def visit_gradients(model, recipe, x: Tensor, y: Tensor, step: int, micro: int, 
     fixed = recipe.replace(model=dataclasses.replace(recipe.model, untied=True),
                            depth=dataclasses.replace(recipe.depth, kind="fixed", rounds=recipe.depth.max_rounds),
                            train=dataclasses.replace(recipe.train, alignment_every=0))
-    opts = {k: v for k, v in (options or {}).items() if k != "rounds"}
-    train_step(copy, fixed, x, y, step, micro, Counters(), rounds=rounds, **opts)
+    run_step(copy, fixed)
     visits, used = [], []
     for r in range(1, rounds + 1):
         blocks = copy.core[(r - 1) * K: r * K]
@@ -75,8 +74,7 @@ def visit_gradients(model, recipe, x: Tensor, y: Tensor, step: int, micro: int, 
     return visits, used
 
 
-def measure_alignment(model, recipe, x: Tensor, y: Tensor, step: int, micro: int, rounds: int,
-                      options: dict[str, Any] | None = None) -> dict[str, Any]:
+def measure_alignment(model, recipe, rounds: int, run_step: Callable[[Any, Any], Any]) -> dict[str, Any]:
     """The metrics.jsonl entry: `alignment_stats` of this micro-batch's visits, and which rounds."""
-    visits, used = visit_gradients(model, recipe, x, y, step, micro, rounds, options)
+    visits, used = visit_gradients(model, recipe, rounds, run_step)
     return {**alignment_stats(visits), "rounds_with_gradient": used, "rounds": rounds}

@@ -358,8 +358,9 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             depths.append(out.rounds)
             if align_now and micro == 0 and world.main:    # before the optimizer step: this step's weights
                 from .alignment import measure_alignment
-                alignment = measure_alignment(model, recipe, x, y, step, 0, out.rounds,
-                                              task_opts[0] if task_opts else None)
+                opts = {k: v for k, v in (task_opts[0] if task_opts else {}).items() if k != "rounds"}
+                alignment = measure_alignment(model, recipe, out.rounds, lambda m, rec: train_step(
+                    m, rec, x, y, step, 0, Counters(), rounds=out.rounds, **opts))
             tok_window += x.numel()  # task batches vary in length
         if world.size > 1:   # the step's global loss and the work every process did
             delta = [a - b for a, b in zip((counters.tokens_seen, counters.token_passes, counters.train_flops),
