@@ -274,6 +274,33 @@ def check_exit_masses(run: Run) -> CheckResult:
                        f"max |sum of exit masses - 1| = {err:.1e} over {R} rounds; last round takes the remainder")
 
 
+@torch.no_grad()
+def check_quantile_thresholds(run: Run) -> CheckResult:
+    """Early exit by quantile against the cumulative exit mass, recomputed here from the gate's hazards
+    the pass recorded: every token stops at the first round (from exit.min_rounds) whose cumulative mass
+    1 - prod(1 - h) reaches Q, or at the last round."""
+    name = "quantile_exit_matches_cumulative_mass"
+    if run.model.gate is None:
+        return CheckResult.not_applicable(name, "the model has no exit gate")
+    from .evaluation.early_exit import early_exit
+    from .halting import parse_exit_policy
+    recipe = run.recipe
+    text = recipe.exit.policy if recipe.exit.policy.startswith("quantile") else "quantile:0.5"
+    policy = parse_exit_policy(text, min_rounds=recipe.exit.min_rounds)
+    R = recipe.depth.rounds
+    out = early_exit(run.model, _sample_ids(run, min(32, run.model.cfg.context)), policy, R)
+    h = out.hazards.double()                                         # (B, T, R), NaN after a token's exit
+    cdf = 1 - torch.cumprod(1 - h.nan_to_num(0.0), -1)
+    rounds = torch.arange(1, R + 1, device=h.device)
+    reached = (cdf >= policy.value) & (rounds >= policy.min_rounds)
+    want = torch.where(reached.any(-1), reached.double().argmax(-1) + 1, torch.full_like(out.rounds_used, R))
+    # a token's record reaches its exit round only: the first crossing inside it is its exit
+    ok = torch.equal(want.to(out.rounds_used.dtype), out.rounds_used)
+    return CheckResult(name, ok, f"{text} (min_rounds {policy.min_rounds}) over {out.rounds_used.numel()} tokens: "
+                       f"mean exit round {out.rounds_used.float().mean():.2f} of {R}; "
+                       f"{int((want != out.rounds_used).sum())} tokens stop elsewhere than the cumulative mass says")
+
+
 def check_token_accounting(run: Run) -> CheckResult:
     r = run.report
     if "token_passes" not in r:
@@ -339,7 +366,7 @@ def check_round_telemetry(run: Run) -> CheckResult:
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
-    check_token_accounting, check_engine_request_reset, check_round_telemetry,
+    check_token_accounting, check_engine_request_reset, check_round_telemetry, check_quantile_thresholds,
 ]
 
 

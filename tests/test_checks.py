@@ -244,3 +244,26 @@ def test_measured_grad_rounds_follow_the_window():
     third = untrained_run(**{"backward.window": 2, "depth.rounds": 4, "supervision.kind": "rounds",
                              "supervision.rounds": (3,)})
     assert measured_grad_rounds(third.model, third.recipe, x, 4)[0] == (3,)
+
+
+def test_quantile_exit_check_catches_a_controller_off_its_threshold(monkeypatch):
+    """Measured on an untrained gated model: the controller's decisions against the cumulative mass
+    recomputed from the recorded hazards; a controller that stops at another quantile fails."""
+    import dataclasses
+
+    import looplm.evaluation.early_exit as ee
+    from looplm.checks import check_quantile_thresholds
+    run = untrained_run(**{"exit.gate": True, "depth.kind": "fixed", "depth.rounds": 4, "model.context": 32})
+    with torch.no_grad():                      # hazards spread over rounds, so exits differ by token
+        for p in run.model.gate.parameters():
+            p.normal_(0, 2.0)
+    assert check_quantile_thresholds(run).passed
+    real = ee.ExitController
+
+    class OffThreshold(real):
+        def __init__(self, policy, *args, **kwargs):
+            super().__init__(dataclasses.replace(policy, value=min(1.0, policy.value + 0.3)), *args, **kwargs)
+    monkeypatch.setattr(ee, "ExitController", OffThreshold)
+    broken = check_quantile_thresholds(run)
+    assert broken.status == "fail", broken.detail
+    assert check_quantile_thresholds(untrained_run()).status == "not applicable"
