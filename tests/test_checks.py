@@ -19,8 +19,9 @@ from looplm.train.trainer import train
 
 from conftest import tiny_recipe
 
-NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved"}
-NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth"}
+NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved", "quantile_exit_matches_cumulative_mass"}
+NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth",
+                         "quantile_exit_matches_cumulative_mass"}
 
 
 def make_run(tmp_path, text_dir, name="run", **overrides):
@@ -56,11 +57,12 @@ def test_checks_pass_on_a_trained_run(tmp_path, text_dir, capsys):
         else:
             assert c["status"] == "pass" and c["passed"] is True, c
     assert '"passed": null' in raw                        # JSON null, not false or a string
-    assert json.loads(raw)["summary"] == {"passed": len(checks) - 1, "failed": 0, "not_applicable": 1}
+    na = len(NOT_APPLICABLE_WITHOUT_GATE)
+    assert json.loads(raw)["summary"] == {"passed": len(checks) - na, "failed": 0, "not_applicable": na}
     assert main(["check", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines if "exit_masses_conserved" in ln] == ["N/A"]
-    assert lines[-1] == f"{len(checks) - 1} passed, 0 failed, 1 not applicable"
+    assert lines[-1] == f"{len(checks) - na} passed, 0 failed, {na} not applicable"
 
 
 def test_untied_baseline_says_not_applicable(tmp_path, text_dir, capsys):
@@ -177,7 +179,7 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
     (path / "report.json").write_text(json.dumps({**run.report}))
     capsys.readouterr()
     assert main(["check", str(path)]) == 1
-    assert capsys.readouterr().out.splitlines()[-1].endswith("1 failed, 1 not applicable")
+    assert capsys.readouterr().out.splitlines()[-1].endswith("1 failed, 2 not applicable")
 
 
 def _state_rms_by_hand(model, idx, rounds):
