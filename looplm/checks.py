@@ -301,6 +301,29 @@ def check_quantile_thresholds(run: Run) -> CheckResult:
                        f"{int((want != out.rounds_used).sum())} tokens stop elsewhere than the cumulative mass says")
 
 
+def check_cache_policies(run: Run) -> CheckResult:
+    """Full vs reused caches, prompt and decode judged separately: each sample window's first half is
+    prefilled and its second half decoded token by token through the cached engine at the nominal
+    depth (evaluation/cache_policies.py). The full cache must give the plain forward pass's loss (it
+    computes the same function); every shared policy's measured loss change is reported beside it."""
+    from .evaluation.cache_policies import continuation_loss, forward_loss
+    from .inference.engine import Engine
+    name = "cache_policies_measured"
+    R = run.recipe.depth.rounds
+    ids = _sample_ids(run, min(24, run.model.cfg.context) + 1)
+    batches = [(ids[:, :-1], ids[:, 1:])]
+
+    def loss(prefill: str, decode: str) -> float:
+        engine = Engine.from_run(run, prefill_cache=prefill, decode_cache=decode, exit=f"fixed:{R}")
+        return continuation_loss(engine, batches)["loss"]
+    full, ref = loss("full", "full"), forward_loss(run.model, batches, R)
+    parts = [f"prompt {p}: {loss(p, 'full') - full:+.4f}" for p in ("first", "last", "average")]
+    parts += [f"decode {p}: {loss('full', p) - full:+.4f}" for p in ("first", "last", "average")]
+    return CheckResult(name, abs(full - ref) <= 1e-4,
+                       f"full cache {full:.4f} vs plain forward {ref:.4f} at {R} rounds; loss change of each shared "
+                       "policy (prompt cache with full decode, then decode cache with full prompt): " + ", ".join(parts))
+
+
 def check_token_accounting(run: Run) -> CheckResult:
     r = run.report
     if "token_passes" not in r:
@@ -367,6 +390,7 @@ CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
     check_token_accounting, check_engine_request_reset, check_round_telemetry, check_quantile_thresholds,
+    check_cache_policies,
 ]
 
 

@@ -158,6 +158,18 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
         broken = check_engine_request_reset(run)
         assert broken.status == "fail", broken.detail
 
+    # caches: a cached decoder that computes another function than the forward pass
+    from looplm.checks import check_cache_policies
+    assert check_cache_policies(run).passed
+    with monkeypatch.context() as m:
+        real_chunk = engine_mod.Engine.run_chunk
+
+        def skewed(self, *args, **kwargs):
+            logits, used = real_chunk(self, *args, **kwargs)
+            return logits + torch.linspace(0, 1, logits.shape[-1], device=logits.device), used
+        m.setattr(engine_mod.Engine, "run_chunk", skewed)
+        assert check_cache_policies(run).status == "fail"
+
     # telemetry: a logged step without per-round RMS, or a gradient RMS before the window
     assert check_round_telemetry(run).passed
     metrics = run.path / "metrics.jsonl"
