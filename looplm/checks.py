@@ -324,6 +324,53 @@ def check_cache_policies(run: Run) -> CheckResult:
                        "policy (prompt cache with full decode, then decode cache with full prompt): " + ", ".join(parts))
 
 
+@torch.no_grad()
+def check_state_dependency(run: Run) -> CheckResult:
+    """Which state a round carries and what it reads: perturb the state entering round 2, then the
+    prelude's output e, and measure round 2's output. It must depend on the state, and on e exactly
+    when the recipe injects it (model.injection != "none")."""
+    m = run.model
+    ids = _sample_ids(run, min(16, m.cfg.context))
+    T = ids.shape[1]
+    rope = m.rope(0, T)
+    e = m.encode(ids, rope)
+    s = m.initial_state(e)
+    s1 = m.core_step(s, e, 1, rope)
+    g = torch.Generator().manual_seed(1)
+    base = m.core_step(s1, e, 2, rope)
+    d_state = (m.core_step(s1 + 0.1 * torch.randn(s1.shape, generator=g).to(s1), e, 2, rope) - base).abs().max().item()
+    d_input = (m.core_step(s1, e + 0.1 * torch.randn(e.shape, generator=g).to(e), 2, rope) - base).abs().max().item()
+    injects = m.cfg.injection != "none"
+    ok = d_state > 0 and (d_input > 0) == injects
+    return CheckResult("state_and_dependency", ok,
+                       f"round 2 carries a state of width {s1.shape[-1]} (initial state: {m.cfg.init_state}); its output "
+                       f"moves by {d_state:.2e} when the incoming state is perturbed and by {d_input:.2e} when the "
+                       f"prelude output is (injection {m.cfg.injection!r}: must {'' if injects else 'not '}depend on it)")
+
+
+@torch.no_grad()
+def check_start_state(run: Run) -> CheckResult:
+    """The initial state is what the recipe says, and evaluation is deterministic: the same input twice
+    gives the same logits in eval mode; a random initial state is a draw (two generators differ), zeros
+    are zeros, a prelude start is the prelude's output."""
+    m = run.model.eval()
+    ids = _sample_ids(run, min(16, m.cfg.context))
+    R = run.recipe.depth.rounds
+    twice = (m(ids, R).logits - m(ids, R).logits).abs().max().item()
+    e = m.encode(ids, m.rope(0, ids.shape[1]))
+    kind = m.cfg.init_state
+    if kind == "random":
+        a, b = (m(ids, R, generator=torch.Generator().manual_seed(k)).logits for k in (1, 2))
+        kind_ok, what = bool((a - b).abs().max() > 0), "fresh noise per generator; a fixed table in eval mode"
+    elif kind == "zeros":
+        kind_ok, what = bool((m.initial_state(e) == 0).all()), "zeros"
+    else:
+        kind_ok, what = bool(torch.equal(m.initial_state(e), e)), "the prelude's output"
+    return CheckResult("start_state", twice == 0.0 and kind_ok,
+                       f"init_state {kind!r} ({what}): {'as described' if kind_ok else 'NOT as described'}; "
+                       f"the same input twice in eval mode: max |logit difference| {twice:.1e}")
+
+
 def check_token_accounting(run: Run) -> CheckResult:
     r = run.report
     if "token_passes" not in r:
@@ -390,7 +437,7 @@ CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
     check_token_accounting, check_engine_request_reset, check_round_telemetry, check_quantile_thresholds,
-    check_cache_policies,
+    check_cache_policies, check_state_dependency, check_start_state,
 ]
 
 

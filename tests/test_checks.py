@@ -158,6 +158,22 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
         broken = check_engine_request_reset(run)
         assert broken.status == "fail", broken.detail
 
+    # dependency: a round that ignores the injected input the recipe says it reads
+    from looplm.checks import check_start_state, check_state_dependency
+    assert check_state_dependency(run).passed
+    with monkeypatch.context() as m:
+        m.setattr(run.model, "inject", lambda s, e, ops=None: s, raising=False)
+        assert check_state_dependency(run).status == "fail"
+
+    # start state: evaluation that draws fresh noise each call
+    assert check_start_state(run).passed
+    with monkeypatch.context() as m:
+        real_init = type(run.model).initial_state
+        m.setattr(run.model, "initial_state", lambda e, generator=None, *a, **k: real_init(
+            run.model, e, generator if generator is not None else torch.Generator().manual_seed(
+                int(torch.randint(0, 10**6, ())))), raising=False)
+        assert check_start_state(run).status == "fail"
+
     # caches: a cached decoder that computes another function than the forward pass
     from looplm.checks import check_cache_policies
     assert check_cache_policies(run).passed
