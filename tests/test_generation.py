@@ -891,6 +891,13 @@ def test_bench_decode_quick_json(capsys):
     for r in out["results"]:
         for key in ("batch", "decode_tokens_per_s", "prefill_tokens_per_s", "ttft_s", "peak_rss_bytes"):
             assert key in r
+    # compute per decoded token from the training counter: fixed depth 3, positions 32..35 of the prompt + 4
+    from looplm.bench.decode import BENCH_S, PROMPT_LEN, QUICK
+    from looplm.model.flops import decode_flops
+    cfg = looplm.load_recipe("quickstart", {**BENCH_S, **QUICK}).model
+    want = sum(decode_flops(cfg, 3, PROMPT_LEN + i) for i in range(4)) / 4
+    fixed = [r for r in out["results"] if r.get("exit") == "fixed:3" and not r.get("speculative")]
+    assert fixed and all(r["decode_flops_per_token"] == pytest.approx(want) for r in fixed)
     assert "looplm_batch8_vs_batch1" in out["ratios"]
     assert out["threads"] == len(os.sched_getaffinity(0))        # the default: every usable core
     assert main(["bench", "decode", "--runs", "0"]) == 2

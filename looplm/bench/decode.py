@@ -119,12 +119,17 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
     prompts = _prompts(spec["batch"], model.cfg.vocab_size).tolist()
     params = SamplingParams(max_new_tokens=spec["new_tokens"], stop_at_eos=False)
     rounds: list[int] = []
+    flops: list[float] = []
     last: dict[str, Any] = {}
 
     def run_once() -> dict[str, Any]:
+        from ..model.flops import decode_flops
         out = engine.generate(prompts, params)
         st = out[0].stats
         rounds.extend(r for o in out for r in o.rounds_used)
+        # each generated token at its rounds and position, from the training FLOP counter
+        flops.extend(decode_flops(model.cfg, r, o.prompt_tokens + i, model.gate is not None)
+                     for o in out for i, r in enumerate(o.rounds_used))
         last.update(st)
         return {"decode_tokens_per_s": st["decode_tokens_per_s"], "ttft_s": st["ttft_s"],
                 "decode_tokens_per_cpu_s": st["decode_tokens"] / st["decode_cpu_s"],
@@ -132,7 +137,8 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
 
     def info() -> dict[str, Any]:
         extra = {"exit": str(engine.policy), "prefill_cache": cfg.prefill_cache, "decode_cache": cfg.decode_cache,
-                 "mean_rounds": statistics.mean(rounds), "cache_bytes": last["cache_bytes"]["total"]}
+                 "mean_rounds": statistics.mean(rounds), "cache_bytes": last["cache_bytes"]["total"],
+                 "decode_flops_per_token": statistics.mean(flops)}
         if cfg.speculative:
             extra["speculative"] = cfg.speculative
             extra["acceptance_rate"] = last["speculative"]["acceptance_rate"]
