@@ -182,16 +182,22 @@ def plot_round_telemetry(path: Path, rows: list[dict[str, Any]]) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
     for ax, key, title in zip(axes, ("state_rms", "update_rms", "grad_rms"),
                               ("state RMS", "update (branch) RMS", "gradient RMS at the state")):
+        positive = False
         for i in picks:
             vals = [float("nan") if v is None else v for v in logged[i][key]]
+            positive = positive or any(v > 0 for v in vals if v == v)
             ax.plot(range(1, len(vals) + 1), vals, marker="o", label=f"step {logged[i]['step']}")
-        ax.set_xlabel("round"); ax.set_title(title); ax.set_yscale("log")
+        ax.set_xlabel("round"); ax.set_title(title)
+        if positive:                       # a log axis needs a positive value (Stage II has no gradient RMS)
+            ax.set_yscale("log")
     axes[0].legend(fontsize=7)
     ax = axes[3]
     with_ratio = [r for r in rows if r.get("update_ratio")]
     for name in (with_ratio[0]["update_ratio"] if with_ratio else {}):
         ax.plot([r["step"] for r in with_ratio], [r["update_ratio"][name] for r in with_ratio], lw=0.8)
-    ax.set_xlabel("step"); ax.set_yscale("log"); ax.set_title("update / weight, each shared core tensor")
+    if any(v > 0 for r in with_ratio for v in r["update_ratio"].values()):
+        ax.set_yscale("log")
+    ax.set_xlabel("step"); ax.set_title("update / weight, each shared core tensor")
     fig.suptitle("Per-round telemetry (grad RMS is absent before the backward window)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
