@@ -287,23 +287,21 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
         rows_computed += B * T if lay is None else len(ids)
         s_new = model.core_step(s_in, e_in, r, rope, kv)                # (B, T, d) or (1, N, d)
         computed[..., r - 1] = active
-        # the tokens that ran round r, flat: None = all of them in order, else ids
+        # the tokens that ran round r, flat: None = all of them in order, else ids; outputs of the
+        # round are (B, T, ...) or (1, N, ...), flattened to (N, ...) in that order
         if lay is None:
             s, ids = s_new, None
         else:
             s = s.view(B * T, -1).index_copy(0, ids, s_new[0]).view(B, T, -1)
 
-        def real(x: Tensor) -> Tensor:                                 # (B, T, ...) or (1, N, ...) -> (N, ...)
-            return x.flatten(0, 1)
-
         h = lg = None
         if use_gate:
-            h = real(model.hazard(s_new))                              # (N,)
+            h = model.hazard(s_new).flatten(0, 1)                      # (N,)
             hazards[..., r - 1] = h.view(B, T) if ids is None else \
                 hazards[..., r - 1].flatten().index_copy(0, ids, h).view(B, T)
         if ctl.needs_readout(r):
             # no coda here (or every token active): each token's readout reads only itself
-            lg = real(model.readout(s_new, rope))                      # (N, V)
+            lg = model.readout(s_new, rope).flatten(0, 1)              # (N, V)
             read_out[..., r - 1] = active
         ctl.decide(r, ids, hazard=h, logits=lg)
         # Every token still active at R has run its last round; the loop ends after R.
