@@ -77,7 +77,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UserError("--cache-sweep scores language-modelling text, and a task run has none (its --data is "
                             "a JSONL file of prompt/answer lines); evaluate a language-model run")
         return _eval_task_run(run, rounds, args)
-    batches = eval_batches_for(run, args.data)
+    batches = eval_batches_for(run, args.data, batch_size=args.batch_size)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
@@ -366,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "; writes a table, a plot and a report.md section")
     e.add_argument("--missing-kv", help="with --exit/--exit-sweep: what later rounds read for tokens that exited "
                                         "early, copy_forward (default) or mask (as generate/serve --missing-kv)")
+    e.add_argument("--batch-size", type=int, metavar="N",
+                   help="rows per forward pass over the same validation windows (default the recipe's "
+                        "train.batch_size); larger passes time early exit with less per-call overhead")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
     _device_arg(e)

@@ -463,6 +463,32 @@ def test_eval_exit_json(gated_run, capsys):
     assert set(res["rounds"]) == {"1", "4"}
 
 
+def test_eval_batch_size_regroups_the_same_windows(gated_run, capsys):
+    """`looplm eval --batch-size N` scores the same validation windows in passes of N rows: the
+    same tokens (every window once, in order) and, with a deterministic initial state, the same
+    losses by rounds and under an exit policy (a random one draws its noise per pass); a size
+    that is not a positive integer is refused."""
+    import dataclasses
+    import looplm
+    from looplm.evaluation.early_exit import evaluate_exit
+    from looplm.evaluation.rounds import eval_batches_for, evaluate_rounds
+    run = looplm.load_run(gated_run)
+    default, regrouped = eval_batches_for(run), eval_batches_for(run, batch_size=5)
+    assert len(default[0][0]) != 5 and {len(x) for x, _ in regrouped[:-1]} == {5}
+    for i in (0, 1):
+        assert torch.equal(torch.cat([b[i] for b in default]), torch.cat([b[i] for b in regrouped]))
+    prelude_init = dataclasses.replace(run.recipe.model, init_state="prelude")
+    m = looplm.build_model(dataclasses.replace(run.recipe, model=prelude_init)).eval()
+    m.load_state_dict(run.model.state_dict())
+    a, b = evaluate_rounds(m, default, [1, R]), evaluate_rounds(m, regrouped, [1, R])
+    assert all(a[r]["loss"] == pytest.approx(b[r]["loss"], rel=1e-6) for r in (1, R))
+    ea, eb = (evaluate_exit(m, bs, "quantile:0.5", R) for bs in (default, regrouped))
+    assert ea["loss"] == pytest.approx(eb["loss"], rel=1e-6) and ea["mean_rounds"] == pytest.approx(eb["mean_rounds"])
+    assert main(["eval", str(gated_run), "--rounds", "1", "--batch-size", "5", "--json"]) == 0
+    assert "1" in json.loads(capsys.readouterr().out)["rounds"]
+    assert main(["eval", str(gated_run), "--batch-size", "0"]) == 2
+
+
 def test_eval_exit_missing_kv_is_the_visibility_rule_evaluated(gated_run, capsys):
     """eval --exit P --missing-kv M measures the function generate/serve run under M: the loss equals
     evaluate_exit with that rule, computed here directly, and the two rules differ once tokens exit."""
@@ -540,3 +566,16 @@ def test_query_layout_covers_each_active_token_once(rows, widths, overhead):
         for b in range(active.shape[0]):
             assert int((src == b).sum()) * W - int(active[b].sum()) < W
     assert torch.equal(lay.rows[lay.bi, lay.ai], lay.pos) and int(lay.valid.sum()) == len(lay.pos)
+
+
+def test_query_layout_leaves_out_sequences_with_no_running_token():
+    """A late round where one sequence of eight still runs 40 tokens: one gathered attention row
+    of width 40 (cost 40 + ROW_OVERHEAD), not eight rows of which seven are padding (8 x 40) nor
+    chunks of 16 or 32; with every sequence running, one row each and no gather."""
+    from looplm.evaluation.early_exit import QueryLayout
+    active = torch.zeros(8, 128, dtype=torch.bool)
+    active[5, 2:82:2] = True
+    lay = QueryLayout.build(active)
+    assert lay.shape == (1, 40) and lay.src.tolist() == [5] and lay.pos.tolist() == list(range(2, 82, 2))
+    active[:, 0] = True
+    assert QueryLayout.build(active).src is None

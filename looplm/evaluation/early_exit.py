@@ -104,13 +104,16 @@ class QueryLayout:
     @classmethod
     def build(cls, active: Tensor) -> "QueryLayout":
         """Group active (B, T) bool into attention rows: one per sequence (cost B x the busiest
-        count), or chunks of a width in CHUNK_WIDTHS below it (cost rows x (W + ROW_OVERHEAD)),
-        whichever attends to fewer query slots."""
+        count), or rows of width W gathered per sequence (cost rows x (W + ROW_OVERHEAD)) — one
+        per sequence that still has running tokens (W = the busiest count; late rounds, where most
+        sequences have none) or chunks of a width in CHUNK_WIDTHS below it — whichever attends
+        to fewer query slots."""
         B, T = active.shape
         counts = active.sum(1)                                                # (B,)
         maxc = int(counts.max())
         best = (B * maxc, maxc, None)
-        for W in (w for w in CHUNK_WIDTHS if w < maxc):
+        widths = [w for w in CHUNK_WIDTHS if w < maxc] + ([maxc] if bool((counts == 0).any()) else [])
+        for W in widths:
             n = (counts + W - 1) // W                                          # rows per sequence
             cost = int(n.sum()) * (W + ROW_OVERHEAD)
             if cost < best[0]:
@@ -549,7 +552,7 @@ def plot_sweep(path, kind: str, rows: list[dict[str, Any]], reference: list[dict
     plt.close(fig)
 
 
-TIMING_REPEATS = 3
+TIMING_REPEATS = 5
 """`looplm eval --exit/--exit-sweep` report the median wall time of this many passes per policy,
 the policies (and the fixed depths beside them) timed in turn within each pass (`time_policies`)."""
 

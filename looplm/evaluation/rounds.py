@@ -51,10 +51,19 @@ def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[st
     return {r: {"loss": sums[r] / count, "ppl": math.exp(min(50.0, sums[r] / count))} for r in rounds_list}
 
 
-def eval_batches_for(run, data_path: str | None = None, max_batches: int | None = None):
-    """Validation batches for a run: its own held-out split, or text from --data tokenized with its tokenizer."""
-    from ..data import text as data_mod
+def eval_batches_for(run, data_path: str | None = None, max_batches: int | None = None,
+                     batch_size: int | None = None):
+    """Validation batches for a run: its own held-out split, or text from --data tokenized with its tokenizer.
 
+    The windows are the recipe's (up to train.eval_batches x train.batch_size sequences);
+    batch_size only regroups them into passes of that many rows (`looplm eval --batch-size`): the
+    same tokens, scored the same (a random initial state draws its noise per pass), and larger
+    passes amortise per-call overhead (early exit's partial rounds)."""
+    from ..data import text as data_mod
+    from ..errors import UserError
+
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size: expected a positive integer, got {batch_size}")
     recipe = run.recipe
     n = max_batches or recipe.train.eval_batches
     if data_path:
@@ -62,10 +71,14 @@ def eval_batches_for(run, data_path: str | None = None, max_batches: int | None 
         from pathlib import Path
         docs = data_mod.read_documents(data_path, recipe.data.max_bytes)
         with tempfile.TemporaryDirectory() as tmp:
-            tokens = data_mod.encode_to_memmap(docs, run.tokenizer, Path(tmp) / "eval.bin")
-            return data_mod.val_batches(tokens.copy(), recipe.data.seq_len, recipe.train.batch_size, n)
-    from ..errors import UserError
-    val_path = run.path / "data" / "val.bin"
-    if not val_path.exists():
-        raise UserError(f"run {run.path}: missing data/val.bin; pass --data PATH to evaluate on other text")
-    return data_mod.val_batches(data_mod.open_tokens(val_path), recipe.data.seq_len, recipe.train.batch_size, n)
+            tokens = data_mod.encode_to_memmap(docs, run.tokenizer, Path(tmp) / "eval.bin").copy()
+    else:
+        val_path = run.path / "data" / "val.bin"
+        if not val_path.exists():
+            raise UserError(f"run {run.path}: missing data/val.bin; pass --data PATH to evaluate on other text")
+        tokens = data_mod.open_tokens(val_path)
+    batches = data_mod.val_batches(tokens, recipe.data.seq_len, recipe.train.batch_size, n)
+    if batch_size is None or batch_size == recipe.train.batch_size:
+        return batches
+    x, y = (torch.cat(parts) for parts in zip(*batches))                  # (S, T) every window
+    return list(zip(x.split(batch_size), y.split(batch_size)))
