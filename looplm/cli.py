@@ -291,7 +291,11 @@ def cmd_lens(args: argparse.Namespace) -> int:
         if run.recipe.model.untied and args.rounds != run.recipe.depth.rounds:
             raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
         rounds = args.rounds
-    table, text = lens_command(run, rounds, args.data)
+    if args.baseline:  # the seeds' comparison: loop boundaries vs an untied stack's intermediate layers
+        from .evaluation.lens import compare_command
+        table, text = compare_command(run, load_run(args.baseline, device=args.device), rounds, args.data)
+    else:
+        table, text = lens_command(run, rounds, args.data)
     _emit(table, args.json, text)
     return 0
 
@@ -457,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("run")
     ln.add_argument("--rounds", type=int, help="rounds to run (default: the recipe's depth.rounds)")
     ln.add_argument("--data", help="text to read instead of the run's validation split (a JSONL file for task runs)")
+    ln.add_argument("--baseline", metavar="RUN", help="also read out this run (e.g. the untied baseline of the same "
+                                                      "recipe) on the same tokens: exit candidates side by side")
     _device_arg(ln)
     ln.add_argument("--json", action="store_true")
     ln.set_defaults(func=cmd_lens)

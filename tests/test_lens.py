@@ -85,3 +85,28 @@ def test_lens_command_on_a_run(tmp_path, capsys):
     assert (run / "lens.png").is_file() and "Logit lens" in (run / "report.md").read_text()
     assert "not agreement with the true answer" in (run / "report.md").read_text()
     assert main(["lens", str(run), "--rounds", "0"]) == 2
+
+
+def test_lens_baseline_side_by_side(tmp_path, capsys):
+    """`looplm lens RUN --baseline BASE` reads both models out on RUN's tokens: the looped run offers
+    its R - 1 round ends, the untied baseline every intermediate layer, each with the numbers the
+    lens computes for that model alone on the same batches."""
+    from looplm.evaluation.lens import lens_batches
+    from looplm.train.trainer import train
+    small = {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2, "model.n_core": 2, "depth.kind": "fixed",
+             "depth.rounds": 3, "train.steps": 2, "data.seq_len": 32, "model.context": 64, "train.batch_size": 4,
+             "train.eval_batches": 1, "data.max_bytes": 40_000}
+    train(looplm.load_recipe("quickstart", small), tmp_path / "loop", quiet=True)
+    train(looplm.load_recipe("quickstart", {**small, "model.untied": True}), tmp_path / "untied", quiet=True)
+    assert main(["lens", str(tmp_path / "loop"), "--baseline", str(tmp_path / "untied"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    loop, base = out["runs"]
+    assert not loop["untied"] and base["untied"]
+    assert [c["label"] for c in loop["exit_candidates"]] == ["round 1 block 2", "round 2 block 2"]
+    assert len(base["exit_candidates"]) == base["boundaries"] - 1 == 1 + 3 * 2 + 1 - 1
+    run, ref = looplm.load_run(tmp_path / "loop"), looplm.load_run(tmp_path / "untied")
+    want = logit_lens(ref.model, lens_batches(run, None), 3)["boundaries"]
+    assert [c["jsd"] for c in base["exit_candidates"]] == pytest.approx([r["jsd"] for r in want[:-1]], abs=1e-9)
+    assert [c["depth"] for c in base["exit_candidates"]] == pytest.approx([(i + 1) / 8 for i in range(7)])
+    assert (tmp_path / "loop" / "lens_compare.png").is_file()
+    assert "loop boundaries vs a baseline" in (tmp_path / "loop" / "report.md").read_text()

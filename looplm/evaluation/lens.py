@@ -202,3 +202,103 @@ def lens_command(run, rounds: int | None, data: str | None) -> tuple[dict[str, A
     text.append(f"plot {png}")
     return table, "\n".join(text)
 
+
+
+# ---------------------------------------------------------------------------------------
+# Side by side: a looped run's loop boundaries against a baseline's intermediate layers.
+
+def exit_candidates(table: dict[str, Any], untied: bool) -> list[dict[str, Any]]:
+    """The boundaries an early exit could read out at, before the last: a looped model's R - 1
+    round ends (the seeds' "early loop boundaries"); an untied stack's every intermediate layer.
+    Each with `depth`, the share of the pass's blocks applied up to it."""
+    rows = table["boundaries"]
+    out = []
+    for i, r in enumerate(rows[:-1]):
+        loop_boundary = r["round_end"] and r["round"] < table["rounds"]
+        if untied or loop_boundary:
+            out.append({**{k: r[k] for k in ("label", "jsd", "converged", "agreement", "accuracy")},
+                        "depth": (i + 1) / len(rows)})
+    return out
+
+
+def _same_tokens(a, b) -> bool:
+    """Two tokenizers map every id to the same bytes (so one batch means the same text to both)."""
+    ta, tb = a.tokenizer, b.tokenizer
+    if ta.vocab_size != tb.vocab_size:
+        return False
+    return all(ta.token_bytes(i) == tb.token_bytes(i) for i in range(ta.vocab_size))
+
+
+def plot_compare(path: Path, tables: list[tuple[str, dict[str, Any], list[dict[str, Any]]]]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, table, cands in tables:
+        rows = table["boundaries"]
+        depth = [(i + 1) / len(rows) for i in range(len(rows))]
+        for ax, key in zip(axes, ("jsd", "agreement")):
+            line, = ax.plot(depth, [r[key] for r in rows], "-", lw=1, label=name)
+            ax.plot([c["depth"] for c in cands], [c[key] for c in cands], "o", color=line.get_color(),
+                    label=f"{name}: exit candidates ({len(cands)})")
+    axes[0].axhline(CONVERGED, color="gray", lw=0.6, ls="--")
+    for ax, title in zip(axes, ("normalised JSD to the final output", "top-1 = final output (not correctness)")):
+        ax.set_xlabel("share of the pass's blocks applied")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def compare_command(run, base, rounds: int | None, data: str | None) -> tuple[dict[str, Any], str]:
+    """`looplm lens RUN --baseline BASE`: both models on RUN's batches; each one's exit candidates
+    (loop boundaries vs intermediate layers) side by side, lens_compare.png and a report section in RUN."""
+    from ..errors import UserError
+    from ..runs.report import add_section
+    if not _same_tokens(run, base):
+        raise UserError(f"--baseline {base.path}: its tokenizer differs from {run.path}'s; the lens compares "
+                        "the two on the same tokens (train the baseline from the same recipe and data)")
+    if bool(run.recipe.data.task) != bool(base.recipe.data.task):
+        raise UserError("--baseline: one run is a task run and the other is not; compare runs of the same data")
+    R = rounds or run.recipe.depth.rounds
+    dev = run.model.embed.weight.device
+    batches = [tuple(t.to(dev) for t in b) for b in lens_batches(run, data)]
+    context = base.model.cfg.context
+    if batches and batches[0][0].shape[1] > context:
+        raise UserError(f"--baseline {base.path}: context {context} is shorter than {run.path}'s sequences")
+    base.model.to(dev)
+    entries = []
+    for r, R_r in ((run, R), (base, base.recipe.depth.rounds)):
+        table = logit_lens(r.model, batches, R_r)
+        cands = exit_candidates(table, r.recipe.model.untied)
+        entries.append({"run": str(r.path), "untied": r.recipe.model.untied, "rounds": R_r,
+                        "boundaries": len(table["boundaries"]), "exit_candidates": cands,
+                        "final_accuracy": table["boundaries"][-1]["accuracy"], "table": table})
+    png = Path(run.path) / "lens_compare.png"
+    plot_compare(png, [(Path(e["run"]).name + (" (untied)" if e["untied"] else " (looped)"), e["table"],
+                        e["exit_candidates"]) for e in entries])
+    lines = ["The exits each model offers before its last boundary, read out through its own final norm and LM "
+             "head, on the same tokens: a looped model's R - 1 round ends, an untied stack's every intermediate "
+             "layer. Agreement is with each model's own final output, not the true answer.", "",
+             "| run | exit candidate | depth | JSD / ln 2 | converged (< 0.5) | top-1 = final | top-1 = true token |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    text = []
+    for e in entries:
+        kind = "untied baseline" if e["untied"] else "looped"
+        text.append(f"{e['run']} ({kind}, {e['rounds']} rounds, {e['boundaries']} boundaries, "
+                    f"{len(e['exit_candidates'])} exit candidates; final accuracy {e['final_accuracy']:.2f}):")
+        for c in e["exit_candidates"]:
+            lines.append(f"| {Path(e['run']).name} | {c['label']} | {c['depth']:.2f} | {c['jsd']:.3f} | "
+                         f"{c['converged']:.2f} | {c['agreement']:.2f} | {c['accuracy']:.2f} |")
+            text.append(f"  {c['label']:>18s} depth {c['depth']:.2f}  jsd {c['jsd']:.3f}  converged "
+                        f"{c['converged']:.2f}  agreement {c['agreement']:.2f}  accuracy {c['accuracy']:.2f}")
+    lines += ["", "![lens comparison](lens_compare.png)"]
+    result = {"runs": [{k: v for k, v in e.items() if k != "table"} for e in entries],
+              "positions": entries[0]["table"]["positions"], "converged_below": CONVERGED, "plot": str(png)}
+    add_section(run.path, "Logit lens: loop boundaries vs a baseline's layers", "\n".join(lines),
+                {"logit_lens_compare": {k: v for k, v in result.items() if k != "plot"}})
+    text.append(f"plot {png}")
+    return result, "\n".join(text)
