@@ -333,6 +333,9 @@ class TrainConfig:
     the step's first micro-batch: ||sum_r g_r||^2 / sum_r ||g_r||^2 (1 decorrelated .. R coherent) and
     the visits' pairwise cosines, into metrics.jsonl. Each measurement costs one more forward and
     backward with R copies of the core (train/alignment.py)."""
+    tensorboard: bool = False
+    """Also write every metrics.jsonl row as TensorBoard scalars under RUN/tensorboard/ (the same numbers,
+    the same names; runs/tensorboard.py). Needs the tensorboard package: pip install 'looplm[tensorboard]'."""
     lockstep_check: Literal["start", "every"] = "start"
     """With several processes: all-gather and compare every rank's forward rounds and backward window
     at the first micro-batch (start) or at every one (every: a debug mode, one small collective each)."""

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..data import text as data_mod
+from ..runs.tensorboard import TensorBoardLog, require_tensorboard
 from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_index, optimizer_state_for,
                                repair_checkpoint, save_checkpoint, write_text)
 from ..recipe.config import Recipe, SupervisionConfig, load_recipe
@@ -265,6 +266,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             recipe = saved  # the run's own recipe wins; --set on resume would change the experiment
     elif (run_dir / "checkpoint" / "state.pt").exists():
         raise UserError(f"--out {run_dir} already holds a run; pass --resume to continue it or choose another folder")
+    if recipe.train.tensorboard:
+        require_tensorboard()                        # before any work, not at the first log line
     rows = shard(world, recipe.train.batch_size) if world.size > 1 else None   # this process's share
     _barrier(world)                                  # every process checked the folder before rank 0 writes
     if world.main:
@@ -335,6 +338,7 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
                disable=quiet or not world.main, desc="train", dynamic_ncols=True)
     model.train()
     metrics = open(run_dir / "metrics.jsonl", "a") if world.main else None
+    tb = TensorBoardLog(run_dir, start if resume else None) if recipe.train.tensorboard and world.main else None
     t_window, tok_window = time.perf_counter(), 0
     accum = recipe.train.grad_accum
     for step in bar:
@@ -401,6 +405,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             if metrics is not None:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            if tb is not None:
+                tb.write(row)
             t_window, tok_window = time.perf_counter(), 0
         if (step + 1) % recipe.train.checkpoint_every == 0 or step + 1 == total:
             checkpoint(step + 1)
@@ -409,6 +415,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         metrics.close()
     peak_rss = all_gather_ints(world, [peak_rss_bytes(), peak_device_memory_bytes(device) or 0])
     if total < recipe.train.steps:
+        if tb is not None:
+            tb.close()
         return {"steps": total, "stopped_early": True}
     if not world.main:
         return {}
@@ -429,6 +437,9 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     report["peak_rss_bytes_per_rank"] = [r[0] for r in peak_rss]
     report["peak_device_memory_bytes_per_rank"] = [r[1] or None for r in peak_rss]
     write_report(run_dir, report)
+    if tb is not None:
+        tb.write({"val_loss": {f"rounds_{r}": v for r, v in report["val_loss_by_rounds"].items()}}, step=total)
+        tb.close()
     return report
 
 
