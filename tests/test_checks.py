@@ -139,7 +139,7 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
     assert check_flops_count_every_visit(run).passed
     with monkeypatch.context() as m:
         real = flops_mod.block_matmul_params
-        m.setattr(flops_mod, "block_matmul_params", lambda cfg: real(cfg) - cfg.d_model * cfg.ffn_hidden)
+        m.setattr(flops_mod, "block_matmul_params", lambda cfg, core=False: real(cfg, core) - cfg.d_model * cfg.ffn_hidden)
         assert check_flops_count_every_visit(run).status == "fail"
 
     # the engine: a request that leaves state behind for the next one

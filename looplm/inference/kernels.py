@@ -125,8 +125,9 @@ class PackedOps(Ops):
             groups.append((model.adapter.weight,))
         for blk in [*model.prelude, *model.core, *model.coda]:
             a, f = blk.attn, blk.mlp
-            groups += [(a.q.weight, a.k.weight, a.v.weight), (a.o.weight,), (f.gate.weight, f.up.weight),
-                       (f.down.weight,)]
+            groups += [(a.q.weight, a.k.weight, a.v.weight), (a.o.weight,)]
+            if hasattr(f, "gate"):          # dense SwiGLU; an MoE FFN multiplies its experts itself
+                groups += [(f.gate.weight, f.up.weight), (f.down.weight,)]
         return groups
 
     def linear(self, x: Tensor, *weights: Tensor) -> Tensor:

@@ -100,13 +100,16 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer block; `alpha` scales the skip path (DeepLoop), 1 otherwise."""
+    """One transformer block; `alpha` scales the skip path (DeepLoop), 1 otherwise; moe: the FFN is a
+    mixture of experts (model/moe.py, LoopMoE's core blocks)."""
 
-    def __init__(self, cfg: ModelConfig, alpha: float = 1.0):
+    def __init__(self, cfg: ModelConfig, alpha: float = 1.0, moe: bool = False):
         super().__init__()
         self.mode = "deeploop" if cfg.residual_scaling == "deeploop" else cfg.norm
         self.alpha = alpha
-        self.attn, self.mlp = Attention(cfg), SwiGLU(cfg)
+        if moe:
+            from .moe import MoEFFN
+        self.attn, self.mlp = Attention(cfg), (MoEFFN(cfg) if moe else SwiGLU(cfg))
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if self.mode == "sandwich":

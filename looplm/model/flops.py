@@ -4,7 +4,8 @@ A shared core block stored once runs R times, and each run costs what an untied 
 deduplicating reused matrices understates compute. So the count goes by visits:
 
     block(L)   = 2 * matmul parameters of one block + 4 * n_heads * head_dim * L
-                 (the products, then QK^T and AV against L keys)
+                 (the products, then QK^T and AV against L keys; in an MoE core the router and
+                 the k chosen experts, not all E: what one token's visit applies)
     forward    = n_prelude * block + R * (n_core * block + adapter + gate)
                  + readouts * (n_coda * block + head)            head = 2 * d_model * vocab
     backward   = 2 * (prelude if gradient reaches it + G * (n_core * block + adapter)
@@ -35,15 +36,20 @@ class Visits:
     gate_grad: bool = False
 
 
-def block_matmul_params(cfg) -> int:
-    """Multiply-adds per token of one block's products (q, k, v, o, gate, up, down), from the shapes."""
+def block_matmul_params(cfg, core: bool = False) -> int:
+    """Multiply-adds per token of one block's products (q, k, v, o, gate, up, down), from the shapes.
+    A core block of an MoE core (core=True, model.moe_experts > 0) applies its router (d x E) and
+    the k experts each token chose, not all E: active parameters, counted at every visit."""
     d, h, kv, dh, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_hidden
-    return d * h * dh + 2 * d * kv * dh + h * dh * d + 3 * d * f
+    ffn = 3 * d * f
+    if core and cfg.moe_experts:
+        ffn = d * cfg.moe_experts + cfg.moe_top_k * 3 * d * cfg.moe_hidden
+    return d * h * dh + 2 * d * kv * dh + h * dh * d + ffn
 
 
-def block_flops(cfg, keys: float) -> float:
-    """Forward FLOPs per token of one block attending to `keys` keys."""
-    return 2 * block_matmul_params(cfg) + 4 * cfg.n_heads * cfg.head_dim * keys
+def block_flops(cfg, keys: float, core: bool = False) -> float:
+    """Forward FLOPs per token of one block attending to `keys` keys (core: see block_matmul_params)."""
+    return 2 * block_matmul_params(cfg, core) + 4 * cfg.n_heads * cfg.head_dim * keys
 
 
 def _pieces(cfg, exit_gate: bool) -> tuple[float, float, float]:
@@ -59,7 +65,7 @@ def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False) -> dic
     attending to `keys` keys."""
     blk = block_flops(cfg, keys)
     head, adapter, gate = _pieces(cfg, exit_gate)
-    core_round = cfg.n_core * blk + adapter
+    core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter
     readout = cfg.n_coda * blk + head
     fwd = cfg.n_prelude * blk + visits.rounds * (core_round + gate) + visits.readouts * readout
     bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round

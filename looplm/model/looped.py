@@ -55,6 +55,12 @@ class LoopOutput:
     round_states: list[Tensor] = field(default_factory=list)
     """States after each round (kept when collect_stats, for gradient diagnostics); those before the
     backward window do not require grad."""
+    moe_losses: dict[str, Tensor] = field(default_factory=dict)
+    """LoopMoE: {"balance", "z"} auxiliary losses averaged over every MoE visit of the pass (model/moe.py);
+    empty for a dense core."""
+    routing: dict[int, list[Tensor]] = field(default_factory=dict)
+    """LoopMoE: core block index -> the (B*T, k) experts its tokens chose at each of its visits, in order
+    (a shared block: one entry per round; an untied block: one)."""
 
 
 def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
@@ -84,7 +90,7 @@ class LoopedLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, d)
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         n_core_blocks = cfg.n_core * (rounds if cfg.untied else 1)
-        self.core = nn.ModuleList(Block(cfg, alpha) for _ in range(n_core_blocks))
+        self.core = nn.ModuleList(Block(cfg, alpha, moe=cfg.moe_experts > 0) for _ in range(n_core_blocks))
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
         self.adapter = nn.Linear(2 * d, d, bias=False) if cfg.injection == "concat" else None
         self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.state_norm else None
@@ -112,11 +118,12 @@ class LoopedLM(nn.Module):
             if p.dim() < 2:
                 continue  # norms keep weight 1; biases set below
             std = cfg.init_std
-            if name.endswith(("attn.o.weight", "mlp.down.weight")):
+            if name.endswith(("attn.o.weight", "mlp.down.weight", "mlp.down")):      # mlp.down: MoE experts
                 std = std / math.sqrt(2 * visits)
             nn.init.normal_(p, std=std)
             if beta != 1.0 and name.startswith("core.") and name.endswith(
-                    ("attn.v.weight", "attn.o.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")):
+                    ("attn.v.weight", "attn.o.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight",
+                     "mlp.gate_up", "mlp.down")):
                 with torch.no_grad():
                     p.mul_(beta)
         if self.gate is not None:
@@ -227,15 +234,27 @@ class LoopedLM(nn.Module):
               else initial_state.to(e.dtype))
 
         wanted = set(readout_rounds or ()) | {rounds}
-        # Each readout runs the coda. With a cache every readout attends to the cached coda history
-        # (a one-token decode step has no other); the cache keeps the last write, the final round's.
-        run = unroll(lambda s, r: self.core_step(s, e, r, rope, cache), s0, rounds, backward_window, wanted,
-                     readout=lambda s, r: self.readout(s, rope, cache, r),
-                     keep_states=self.gate is not None or collect_stats,
-                     loss_rounds=readout_rounds or (rounds,))
+        moe = [(i, blk.mlp) for i, blk in enumerate(self.core) if hasattr(blk.mlp, "trace")]
+        for _, mlp in moe:                     # every visit's routing, for the losses and the statistics
+            mlp.trace = []
+        try:
+            # Each readout runs the coda. With a cache every readout attends to the cached coda history
+            # (a one-token decode step has no other); the cache keeps the last write, the final round's.
+            run = unroll(lambda s, r: self.core_step(s, e, r, rope, cache), s0, rounds, backward_window, wanted,
+                         readout=lambda s, r: self.readout(s, rope, cache, r),
+                         keep_states=self.gate is not None or collect_stats,
+                         loss_rounds=readout_rounds or (rounds,))
+        finally:
+            traces = [(i, mlp.trace) for i, mlp in moe]
+            for _, mlp in moe:                 # recomputation in the backward (checkpointing) records nothing
+                mlp.trace = None
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
                          grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
                          state=run.state, cache=cache)
+        if moe:
+            from .moe import moe_losses
+            out.moe_losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)
+            out.routing = {i: [rec.experts.detach() for rec in t] for i, t in traces}
         if self.gate is not None:
             # The gate reads each round's state like a readout: before the window the state is a
             # constant, so those hazards train the gate alone.
@@ -278,6 +297,10 @@ class LoopedLM(nn.Module):
         runs each of its blocks once."""
         c = self.param_groups_by_role()
         per_round = c["adapter"] + c["gate"] + c["state_norm"]
+        if self.cfg.moe_experts:    # a visit applies the k experts a token chose, not all E
+            cfg = self.cfg
+            idle = len(self.core) * (cfg.moe_experts - cfg.moe_top_k) * 3 * cfg.d_model * cfg.moe_hidden
+            c = {**c, "core": c["core"] - idle}
         core = c["core"] if self.cfg.untied else c["core"] * rounds
         return c["embed"] + c["prelude"] + core + per_round * rounds + c["coda"] + c["head"]
 

@@ -73,6 +73,14 @@ class ModelConfig:
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Std of weight initialisation; output projections are further scaled by 1/sqrt(2*blocks visited)."""
+    moe_experts: int = 0
+    """LoopMoE: each core block's FFN is a mixture of this many SwiGLU experts, routed per token at every
+    visit (top moe_top_k, softmax renormalised over the chosen; model/moe.py). 0 = the dense SwiGLU.
+    Prelude and coda stay dense; with model.untied every untied core block has its own experts."""
+    moe_top_k: int = 2
+    """Experts each token uses per visit (token choice); needs moe_experts > 0."""
+    moe_hidden: int = 0
+    """Hidden width of one expert. 0 = ffn_hidden (each expert as wide as the dense FFN)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "context"):
@@ -99,6 +107,16 @@ class ModelConfig:
         _check(self.init_std > 0, "model.init_std", "must be > 0")
         _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
                'none needs init_state = "prelude" (otherwise the core never sees the input)')
+        _check(self.moe_experts >= 0, "model.moe_experts", "must be >= 0 (0 = a dense FFN)")
+        if self.moe_experts:
+            _check(1 <= self.moe_top_k <= self.moe_experts, "model.moe_top_k",
+                   f"must lie in 1..moe_experts = {self.moe_experts}")
+            if self.moe_hidden == 0:
+                object.__setattr__(self, "moe_hidden", self.ffn_hidden)
+            _check(self.moe_hidden >= 1, "model.moe_hidden", "must be >= 1 (0 = ffn_hidden)")
+        else:
+            _check(self.moe_top_k == 2 and self.moe_hidden == 0, "model.moe_top_k",
+                   "model.moe_top_k and model.moe_hidden apply to an MoE core: set model.moe_experts > 0")
         # Block takes deeploop over the norm setting, so sandwich would be silently dropped.
         _check(self.residual_scaling != "deeploop" or self.norm == "pre", "model.residual_scaling",
                'deeploop replaces the block norms; it needs model.norm = "pre", not "sandwich"')
@@ -163,6 +181,11 @@ class SupervisionConfig:
     """learned_exit regulariser: entropy bonus (none) or KL to a uniform or geometric prior (PonderNet)."""
     geometric_lambda: float = 0.5
     """Hazard of the geometric prior."""
+    moe_balance: float = 0.01
+    """LoopMoE: weight of the load-balance loss E * sum_i f_i P_i (1 when the experts are used evenly),
+    averaged over every MoE visit of the unrolled depth and added to the training loss."""
+    moe_z: float = 0.001
+    """LoopMoE: weight of the router z-loss mean(logsumexp(router logits)^2), averaged the same way."""
 
     def __post_init__(self) -> None:
         if self.kind == "rounds":
@@ -176,6 +199,9 @@ class SupervisionConfig:
                    "supervision.weights", "must be finite, >= 0, and not all zero")
         _check(self.entropy_beta >= 0, "supervision.entropy_beta", "must be >= 0")
         _check(0 < self.geometric_lambda < 1, "supervision.geometric_lambda", "must lie in (0, 1)")
+        _check(self.moe_balance >= 0 and math.isfinite(self.moe_balance), "supervision.moe_balance",
+               "must be finite and >= 0")
+        _check(self.moe_z >= 0 and math.isfinite(self.moe_z), "supervision.moe_z", "must be finite and >= 0")
 
     @property
     def round_weights(self) -> tuple[float, ...]:
@@ -395,6 +421,11 @@ class Recipe:
             _check(bool(self.data.task), "data.round_targets", '"trace" needs task data (data.task)')
             _check(self.supervision.kind != "learned_exit" and self.train.stage == 1, "data.round_targets",
                    '"trace" needs per-round supervision: not supervision.kind = learned_exit or train.stage = 2')
+        if not self.model.moe_experts:
+            defaults = SupervisionConfig()
+            for name in ("moe_balance", "moe_z"):
+                _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
+                       "applies to an MoE core: set model.moe_experts > 0")
         if self.model.untied:
             _check(not self.train.alignment_every, "train.alignment_every",
                    "needs a shared core; the untied baseline has one block per visit")

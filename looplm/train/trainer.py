@@ -178,6 +178,10 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
             loss, info = supervised_loss(supervision, out, y, mask, round_targets)
+            if out.moe_losses:             # LoopMoE's auxiliary losses, averaged over every visit
+                b, z = out.moe_losses["balance"], out.moe_losses["z"]
+                loss = loss + supervision.moe_balance * b + supervision.moe_z * z
+                info = {**info, "moe_balance": b.item(), "moe_z": z.item()}
     if world.size > 1:
         # each process's loss is a mean over its own tokens; weighted by its share of the global
         # batch's scored tokens, the processes' gradients sum (DDP/FSDP average) to the global mean's
