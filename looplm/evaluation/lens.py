@@ -67,7 +67,10 @@ def _boundaries(model) -> tuple[list[Any], list[tuple[dict[str, Any], Tensor]], 
     return handles, calls, counts
 
 
-def _label(info: dict[str, Any]) -> str:
+def _label(info: dict[str, Any], untied_core: int = 0) -> str:
+    """untied_core: K of an untied baseline, whose core blocks are layers, not rounds."""
+    if info["kind"] == "core" and untied_core:
+        return f"core layer {(info['round'] - 1) * untied_core + info['block'] + 1}"
     if info["kind"] == "core":
         return f"round {info['round']} block {info['block'] + 1}"
     return f"{info['kind']} {info['block'] + 1}"
@@ -92,7 +95,8 @@ def logit_lens(model, batches: list, rounds: int) -> dict[str, Any]:
             T = x.shape[1]
             bucket = (torch.arange(T, device=x.device) * BUCKETS // T).expand_as(mask)
             if not rows:
-                rows = [{**info, "label": _label(info)} for info, _ in calls]
+                untied = model.cfg.n_core if model.cfg.untied else 0
+                rows = [{**info, "label": _label(info, untied)} for info, _ in calls]
                 sums = [{k: torch.zeros(BUCKETS, dtype=torch.float64) for k in
                          ("jsd", "converged", "agreement", "accuracy", "count")} for _ in calls]
             for (info, h), acc in zip(calls, sums):
