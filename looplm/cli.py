@@ -80,6 +80,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     batches = eval_batches_for(run, args.data, batch_size=args.batch_size)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
+    if run.model.cfg.moe_experts:  # LoopMoE: how tokens use the shared experts across visits
+        from .evaluation.routing import routing_report
+        rep = result["routing"] = routing_report(run.model, batches, run.recipe.depth.rounds)
+        lines.append(f"routing at {rep['rounds']} rounds ({rep['experts']} experts, top-{rep['top_k']}):")
+        for i, layer in rep["layers"].items():
+            pairs = "; ".join(f"{r}->{r + 1} identical {p['identical']:.2f} partial {p['partial']:.2f} disjoint "
+                              f"{p['disjoint']:.2f}" for r, p in enumerate(layer["consecutive_visits"], start=1))
+            lines.append(f"  layer {int(i) + 1}: distinct experts per token {layer['distinct_experts_mean']:.2f}"
+                         + (f"; {pairs}" if pairs else ""))
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
         from .evaluation.early_exit import exit_eval
         extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,

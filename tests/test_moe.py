@@ -208,3 +208,56 @@ def test_training_adds_the_auxiliary_losses():
     m.zero_grad()
     m(x[:, :-1], 3).moe_losses["balance"].backward()
     assert m.core[0].mlp.router.weight.grad.abs().sum() > 0
+
+
+def test_loopmoe_run_reports_routing_and_decodes_through_the_cli(tmp_path, capsys):
+    """A tiny LoopMoE run: the report's routing section is what routing_stats gives on the
+    validation batches at the recipe's depth; `looplm eval` prints it; generate decodes."""
+    import json
+
+    from looplm.cli import main
+    from looplm.evaluation.rounds import eval_batches_for
+    from looplm.train.trainer import train
+    from conftest import tiny_recipe
+    rec = tiny_recipe(**{"model.moe_experts": 4, "model.moe_hidden": 16, "depth.rounds": 3})
+    train(rec, tmp_path / "run", quiet=True)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    rep = report["routing"]
+    assert rep["experts"] == 4 and rep["rounds"] == 3 and rep["consecutive_visits"] == "measured"
+    run = looplm.load_run(tmp_path / "run")
+    batches = eval_batches_for(run)
+    for i, layer in rep["layers"].items():
+        visits = [torch.cat([run.model(x, 3).routing[int(i)][v] for x, _ in batches]) for v in range(3)]
+        assert layer == routing_stats(visits, 4)
+    assert "Routing (LoopMoE)" in (tmp_path / "run" / "report.md").read_text()
+    assert (tmp_path / "run" / "routing.png").is_file()
+    assert report["params_per_token_visit"] < report["params_stored"] * 3
+    assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["routing"]["layers"] == rep["layers"]
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "5"]) == 0
+
+
+def test_early_exit_runs_the_moe_core():
+    """fixed:R through the early-exit pass (running tokens packed into one row) equals the plain
+    forward, and under a policy that stops tokens early each token's routing is its own."""
+    from looplm.evaluation.early_exit import early_exit
+    m = moe_model(**{"model.n_coda": 0})
+    x = torch.randint(0, 257, (2, 12))
+    torch.testing.assert_close(early_exit(m, x, "fixed:3", 3).logits, m(x, 3).logits, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        ent = [torch.distributions.Categorical(logits=m(x, r).logits).entropy() for r in (1, 2)]
+    tau = float(torch.cat([e.flatten() for e in ent]).median())
+    out = early_exit(m, x, f"entropy:{tau}", 3)
+    assert out.rounds_used.min() < 3 and out.rounds_used.max() > 1
+    # a token whose predecessors all ran at least its rounds saw them as a plain pass at its depth
+    # does: its logits are that pass's over its prefix
+    checked = 0
+    for b in range(2):
+        for t in range(12):
+            r = int(out.rounds_used[b, t])
+            if t == 0 or int(out.rounds_used[b, :t].min()) >= r:
+                with torch.no_grad():
+                    want = m(x[b:b + 1, :t + 1], r).logits[0, -1]
+                torch.testing.assert_close(out.logits[b, t], want, rtol=0, atol=1e-4)
+                checked += int(r < 3)
+    assert checked > 0, "some early-exited token should be checked"

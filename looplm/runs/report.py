@@ -66,7 +66,12 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
                   else f"no exit gate; default policy {r.exit.policy}")),
         ("cache rule", "training runs whole sequences without a cache; at generation every round keeps its own "
                        "key/value history unless a cache policy says otherwise"),
-    ]
+    ] + ([("mixture of experts", f"each core block's FFN is {m.moe_experts} SwiGLU experts of width {m.moe_hidden}, "
+                                 f"top-{m.moe_top_k} token choice (softmax renormalised over the chosen), "
+                                 + ("each untied layer its own experts" if m.untied else
+                                    "the experts shared across rounds and routed afresh at every visit")
+                                 + f"; load-balance loss x {s.moe_balance} and router z-loss x {s.moe_z}, averaged "
+                                 "over every visit; prelude and coda dense")] if m.moe_experts else [])
 
 
 def _hist_line(h: dict[str, int]) -> str:
@@ -121,6 +126,9 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         for r, loss in extrap.items():
             beyond = "never run in training" if int(r) > deepest else ""
             lines.append(f"| {r} | {loss:.4f} | {hist.get(str(r), 0)} | {supervised.get(str(r), 0)} | {beyond} |")
+    if report.get("routing"):
+        from ..evaluation.routing import routing_markdown
+        lines += ["", "## Routing (LoopMoE)", "", routing_markdown(report["routing"])]
     for extra in report.get("sections", []):
         lines += ["", f"## {extra['title']}", "", extra["markdown"]]
     if plots:
@@ -167,6 +175,10 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
     if any(r.get("state_rms") for r in rows):
         plot_round_telemetry(run_dir / "round_telemetry.png", rows)
         names.append("round_telemetry.png")
+    if report.get("routing"):
+        from ..evaluation.routing import plot_routing
+        plot_routing(run_dir / "routing.png", report["routing"])
+        names.append("routing.png")
     return names
 
 
@@ -244,7 +256,8 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
     write_text(run_dir / "report.md", render_markdown(report, plots))
 
 
-PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png", "round_telemetry.png")
+PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png", "round_telemetry.png",
+              "routing.png")
 
 
 def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] | None = None) -> bool:

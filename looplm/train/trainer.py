@@ -540,6 +540,9 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         val_all = evaluate_rounds(model, batches, sorted(set(rounds_list) | set(extrap)))
         val = {r: val_all[r] for r in rounds_list}
         extra = {"val_loss_extrapolation": {str(r): val_all[r]["loss"] for r in extrap}}
+        if model.cfg.moe_experts:   # how tokens use the shared experts across visits
+            from ..evaluation.routing import routing_report
+            extra["routing"] = routing_report(model, batches, recipe.depth.rounds)
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     place = recipe.supervision
     return {
