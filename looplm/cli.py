@@ -348,6 +348,20 @@ def cmd_experiment_deeploop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_loopmoe(args: argparse.Namespace) -> int:
+    from .recipe.config import load_recipe
+    from .experiments import loopmoe as lm
+
+    recipe = load_recipe(args.recipe, {**(lm.QUICK if args.quick else lm.SMALL), **_overrides(args.set)})
+    out = args.out or f"runs/loopmoe-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    moe = recipe.model.moe_experts > 0
+    result = lm.run_loopmoe(recipe, out, experts=recipe.model.moe_experts if moe else 8,
+                            top_k=recipe.model.moe_top_k if moe else 2)
+    _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json)",
+                                        *lm.summary_lines(result)]))
+    return 0
+
+
 def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cache", help="what prompt tokens keep: full, first, last or average (default full)")
     p.add_argument("--decode-cache", help="what generated tokens keep: full, first, last or average (default full)")
@@ -491,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("extrapolate", "train on easy task cases, evaluate harder ones with more rounds", "extrapolate",
              "a seconds-long smoke-test size (tests, CI)", cmd_experiment_extrapolate),
             ("deeploop", "DeepLoop exponents x rounds x seeds: which converge, at what loss", "quickstart",
-             "2 exponents x 1 depth x 1 seed, seconds (tests, CI)", cmd_experiment_deeploop)):
+             "2 exponents x 1 depth x 1 seed, seconds (tests, CI)", cmd_experiment_deeploop),
+            ("loopmoe", "dense base, dense loop, untied MoE and LoopMoE at matched training FLOPs", "loopmoe",
+             "a seconds-long smoke-test size (tests, CI)", cmd_experiment_loopmoe)):
         xp = xsub.add_parser(name, help=help_)
         xp.add_argument("--recipe", default=recipe, help=f"built-in name or TOML path (default {recipe})")
         xp.add_argument("--out", help="experiment folder (default runs/NAME-TIMESTAMP)")

@@ -261,3 +261,27 @@ def test_early_exit_runs_the_moe_core():
                 torch.testing.assert_close(out.logits[b, t], want, rtol=0, atol=1e-4)
                 checked += int(r < 3)
     assert checked > 0, "some early-exited token should be checked"
+
+
+def test_experiment_loopmoe_quick_matches_flops_from_each_runs_counter(tmp_path, capsys):
+    """`looplm experiment loopmoe --quick`: four variants, each trained to the loop variant's FLOP
+    budget by the trainer's own counter; the table is each run's report.json; the ordering is the
+    measured one."""
+    import json
+
+    from looplm.cli import main
+    assert main(["experiment", "loopmoe", "--quick", "--out", str(tmp_path / "x"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert list(rows) == ["base", "loop", "moe", "loopmoe"]
+    for v, r in rows.items():
+        rep = json.loads((tmp_path / "x" / v / "report.json").read_text())
+        assert r["train_flops"] == rep["train_flops"] and r["steps"] == rep["steps"]
+        assert rep["recipe"]["model"]["untied"] == (v in ("base", "moe"))
+        assert (rep["recipe"]["model"]["moe_experts"] > 0) == (v in ("moe", "loopmoe"))
+        per_step = rep["train_flops"] / rep["steps"]
+        assert abs(rep["train_flops"] - res["budget_flops"]) <= per_step / 2 + 1e-6 * res["budget_flops"]
+    assert rows["loop"]["params_stored"] < rows["base"]["params_stored"] < rows["moe"]["params_stored"]
+    assert "identical_share" in rows["loopmoe"] and "identical_share" not in rows["moe"]
+    assert res["val_loss_order"] == [r["variant"] for r in sorted(res["rows"], key=lambda r: r["val_loss"])]
+    assert "matched training FLOPs" in (tmp_path / "x" / "report.md").read_text()
