@@ -154,9 +154,9 @@ def test_flops_of_a_two_block_three_round_moe_by_hand_and_by_pytorch():
 
 
 def test_cached_decode_equals_the_full_forward():
-    """A token's routing reads only its own state: the engine's cached greedy decode equals
-    recomputing the whole sequence per token, and a future token never changes an earlier one's
-    experts or logits."""
+    """A token's routing reads only its own state: the engine's cached greedy decode (and its
+    self-speculative decode) equals recomputing the whole sequence per token, and a future token
+    never changes an earlier one's experts or logits."""
     from looplm.data.tokenizer import ByteTokenizer
     from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
     m = moe_model()
@@ -171,6 +171,9 @@ def test_cached_decode_equals_the_full_forward():
             seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
     got = eng.generate(["loop the core"], SamplingParams(max_new_tokens=10, stop_at_eos=False))[0].tokens
     assert got == want
+    spec = Engine(m, tok, GenerationConfig(speculative="1:3")).generate(
+        ["loop the core"], SamplingParams(max_new_tokens=10, stop_at_eos=False))[0]
+    assert spec.tokens == want and spec.stats["speculative"]["drafted"] > 0     # shallow drafts, verified
     x = torch.randint(0, 257, (1, 16))
     y = x.clone()
     y[0, 10:] = torch.randint(0, 257, (6,))
