@@ -86,8 +86,8 @@ def test_routing_is_recorded_at_every_visit_and_losses_average_them():
         want_b += 4 * (f * p.mean(0)).sum().item() / 6
         want_z += torch.logsumexp(logits, -1).pow(2).mean().item() / 6
     assert torch.equal(out.routing[0][1], inputs[2][0].router(inputs[2][1].reshape(-1, 32)).topk(2, -1).indices)
-    assert out.moe_losses["balance"].item() == pytest.approx(want_b, rel=1e-5)
-    assert out.moe_losses["z"].item() == pytest.approx(want_z, rel=1e-5)
+    assert out.aux_losses["moe_balance"].item() == pytest.approx(want_b, rel=1e-5)
+    assert out.aux_losses["moe_z"].item() == pytest.approx(want_z, rel=1e-5)
 
 
 def test_balance_loss_is_one_when_even_and_z_loss_by_hand():
@@ -207,9 +207,9 @@ def test_training_adds_the_auxiliary_losses():
     lm, _ = supervised_loss(rec.supervision, out, x[:, 1:])
     want = lm.item() + 0.5 * info["moe_balance"] + 0.1 * info["moe_z"]
     assert loss == pytest.approx(want, rel=1e-5)
-    assert info["moe_balance"] == pytest.approx(out.moe_losses["balance"].item())
+    assert info["moe_balance"] == pytest.approx(out.aux_losses["moe_balance"].item())
     m.zero_grad()
-    m(x[:, :-1], 3).moe_losses["balance"].backward()
+    m(x[:, :-1], 3).aux_losses["moe_balance"].backward()
     assert m.core[0].mlp.router.weight.grad.abs().sum() > 0
 
 

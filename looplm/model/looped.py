@@ -55,9 +55,10 @@ class LoopOutput:
     round_states: list[Tensor] = field(default_factory=list)
     """States after each round (kept when collect_stats, for gradient diagnostics); those before the
     backward window do not require grad."""
-    moe_losses: dict[str, Tensor] = field(default_factory=dict)
-    """LoopMoE: {"balance", "z"} auxiliary losses averaged over every MoE visit of the pass (model/moe.py);
-    empty for a dense core."""
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    """Auxiliary training losses of routed models, by name: "moe_balance", "moe_z" (LoopMoE, averaged over
+    every MoE visit of the pass, model/moe.py). The trainer weighs each by its recipe coefficient
+    (`aux_loss_weights`); empty for a dense, unrouted model."""
     routing: dict[int, list[Tensor]] = field(default_factory=dict)
     """LoopMoE: core block index -> the (B*T, k) experts its tokens chose at each of its visits, in order
     (a shared block: one entry per round; an untied block: one)."""
@@ -253,7 +254,8 @@ class LoopedLM(nn.Module):
                          state=run.state, cache=cache)
         if moe:
             from .moe import moe_losses
-            out.moe_losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)
+            losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)
+            out.aux_losses.update({f"moe_{k}": v for k, v in losses.items()})
             out.routing = {i: [rec.experts.detach() for rec in t] for i, t in traces}
         if self.gate is not None:
             # The gate reads each round's state like a readout: before the window the state is a

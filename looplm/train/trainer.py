@@ -178,10 +178,10 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
             loss, info = supervised_loss(supervision, out, y, mask, round_targets)
-            if out.moe_losses:             # LoopMoE's auxiliary losses, averaged over every visit
-                b, z = out.moe_losses["balance"], out.moe_losses["z"]
-                loss = loss + supervision.moe_balance * b + supervision.moe_z * z
-                info = {**info, "moe_balance": b.item(), "moe_z": z.item()}
+            if out.aux_losses:             # routed models' auxiliary losses, each by its recipe weight
+                weights = aux_loss_weights(recipe, supervision)
+                loss = loss + sum(weights[k] * v for k, v in out.aux_losses.items())
+                info = {**info, **{k: v.item() for k, v in out.aux_losses.items()}}
     if world.size > 1:
         # each process's loss is a mean over its own tokens; weighted by its share of the global
         # batch's scored tokens, the processes' gradients sum (DDP/FSDP average) to the global mean's
@@ -214,6 +214,11 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     counters.train_flops += x.numel() * train_flops_per_token(model.cfg, visits, x.shape[1], model.gate is not None)
     counters.last_visits = visits
     return loss.item() / world.size, out, info
+
+
+def aux_loss_weights(recipe: Recipe, supervision: SupervisionConfig) -> dict[str, float]:
+    """The recipe's weight for each auxiliary loss a routed model returns (`LoopOutput.aux_losses`)."""
+    return {"moe_balance": supervision.moe_balance, "moe_z": supervision.moe_z}
 
 
 def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: torch.Tensor | None):
