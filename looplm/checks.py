@@ -118,6 +118,9 @@ def check_state_stability(run: Run) -> CheckResult:
     """Run 2x the trained max depth; fail on a non-finite state or logits, or when the state RMS
     grows by more than STATE_GROWTH_LIMIT between the trained max depth and the end."""
     name = "state_stable_past_training_depth"
+    if run.recipe.model.mor != "none":
+        return CheckResult.not_applicable(name, "a routed loop never runs a token past the depth its router "
+                                                f"chose (at most {run.recipe.depth.rounds})")
     if run.recipe.model.untied:
         return CheckResult.not_applicable(name, "the untied baseline has blocks for one depth only; "
                                                 "it cannot run past it")
@@ -309,6 +312,10 @@ def check_cache_policies(run: Run) -> CheckResult:
     from .evaluation.cache_policies import continuation_loss, forward_loss
     from .inference.engine import Engine
     name = "cache_policies_measured"
+    if run.recipe.model.mor != "none":
+        return CheckResult.not_applicable(name, "a Mixture-of-Recursions model decodes with the cache rule it was "
+                                                f"trained with ({run.recipe.model.mor_cache}); "
+                                                "routed_decode_matches_training compares it with the forward pass")
     R = run.recipe.depth.rounds
     ids = _sample_ids(run, min(24, run.model.cfg.context) + 1)
     batches = [(ids[:, :-1], ids[:, 1:])]
@@ -433,11 +440,39 @@ def check_round_telemetry(run: Run) -> CheckResult:
                        if not bad else "; ".join(bad[:3]))
 
 
+@torch.no_grad()
+def check_routed_decode(run: Run) -> CheckResult:
+    """Mixture-of-Recursions: the cached engine, decoding a sample one column at a time (every token
+    routed, the cache by the trained rule), gives each token the depth and the logits of the full
+    forward pass (masks); causal routing means no token's decision may depend on later ones."""
+    from .inference.engine import Engine
+    name = "routed_decode_matches_training"
+    if run.recipe.model.mor == "none":
+        return CheckResult.not_applicable(name, "no Mixture-of-Recursions router")
+    m = run.model
+    ids = _sample_ids(run, min(20, m.cfg.context))[:1]
+    full = m(ids)
+    engine = Engine.from_run(run)
+    engine.kernels()
+    cache = engine.new_cache(1, ids.shape[1])
+    worst, depths = 0.0, []
+    with torch.inference_mode():
+        for c in range(ids.shape[1]):
+            lg, used = engine.run_chunk(ids[:, c:c + 1], c, cache, phase="decode")
+            worst = max(worst, (lg[0] - full.logits[0, c]).abs().max().item())
+            depths.append(int(used[0]))
+    same = depths == full.rounds_used[0].tolist()
+    return CheckResult(name, same and worst <= 1e-3,
+                       f"{len(depths)} tokens decoded one at a time under the {m.cfg.mor_cache} cache rule: depths "
+                       f"{'equal' if same else 'DIFFER from'} the forward pass's (mean {sum(depths) / len(depths):.2f}); "
+                       f"max |logit difference| {worst:.2e}")
+
+
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
     check_token_accounting, check_engine_request_reset, check_round_telemetry, check_quantile_thresholds,
-    check_cache_policies, check_state_dependency, check_start_state,
+    check_cache_policies, check_state_dependency, check_start_state, check_routed_decode,
 ]
 
 

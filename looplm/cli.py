@@ -77,6 +77,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UserError("--cache-sweep scores language-modelling text, and a task run has none (its --data is "
                             "a JSONL file of prompt/answer lines); evaluate a language-model run")
         return _eval_task_run(run, rounds, args)
+    if run.model.cfg.mor != "none" and (args.exit or args.exit_sweep):
+        raise UserError("--exit/--exit-sweep: a Mixture-of-Recursions model's router decides each token's depth; "
+                        "`looplm eval RUN` reports the routed loss and depths")
     batches = eval_batches_for(run, args.data, batch_size=args.batch_size)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
@@ -89,6 +92,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
                               f"{p['disjoint']:.2f}" for r, p in enumerate(layer["consecutive_visits"], start=1))
             lines.append(f"  layer {int(i) + 1}: distinct experts per token {layer['distinct_experts_mean']:.2f}"
                          + (f"; {pairs}" if pairs else ""))
+    if run.model.cfg.mor != "none":  # Mixture-of-Recursions: the depths the router chooses
+        from .evaluation.routing import recursions_report
+        rep = result["recursions"] = recursions_report(run.model, batches)
+        lines.append(f"recursions ({rep['cache_rule']}): mean routed depth {rep['mean_depth']:.2f} of {rep['rounds']}, "
+                     "tokens entering each round " + ", ".join(f"{v:.2f}" for v in rep["tokens_per_round"]))
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
         from .evaluation.early_exit import exit_eval
         extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,
@@ -293,6 +301,9 @@ def cmd_lens(args: argparse.Namespace) -> int:
     from .evaluation.lens import lens_command
 
     run = load_run(args.run, device=args.device)
+    if run.recipe.model.mor != "none":
+        raise UserError("looplm lens reads every token out at every block boundary; in a Mixture-of-Recursions model "
+                        "tokens stop at routed depths, which the lens does not yet follow")
     rounds = None
     if args.rounds is not None:
         if args.rounds < 1:

@@ -128,7 +128,8 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
         st = out[0].stats
         rounds.extend(r for o in out for r in o.rounds_used)
         # each generated token at its rounds and position, from the training FLOP counter
-        flops.extend(decode_flops(model.cfg, r, o.prompt_tokens + i, model.gate is not None)
+        flops.extend(decode_flops(model.cfg, r, o.prompt_tokens + i, model.gate is not None,
+                                  model.nominal_rounds if model.cfg.mor != "none" else 0)
                      for o in out for i, r in enumerate(o.rounds_used))
         last.update(st)
         return {"decode_tokens_per_s": st["decode_tokens_per_s"], "ttft_s": st["ttft_s"],

@@ -99,3 +99,40 @@ def plot_routing(path: Path, rep: dict[str, Any]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+@torch.no_grad()
+def recursions_report(model, batches: list) -> dict[str, Any] | None:
+    """Mixture-of-Recursions on the validation batches (None without a router): how many tokens the
+    router sends to each depth, the share entering each round (tokens per recursion) and the
+    realised capacity (mean depth / R: the share of the R rounds' token-rounds the router spends)."""
+    if getattr(model, "mor_router", None) is None:
+        return None
+    from ..model.recursions import depth_counts
+    model.eval()
+    R = model.nominal_rounds
+    counts = torch.zeros(R, dtype=torch.long)
+    dev = model.embed.weight.device
+    for x, *_ in batches:
+        counts += depth_counts(model(x.to(dev)).routed_depth, R).cpu()
+    n = int(counts.sum())
+    entering = [int(counts[r - 1:].sum()) / max(n, 1) for r in range(1, R + 1)]
+    mean = sum((i + 1) * int(c) for i, c in enumerate(counts)) / max(n, 1)
+    return {"kind": model.cfg.mor, "cache_rule": model.cfg.mor_cache, "rounds": R, "tokens": n,
+            "depth_histogram": {str(i + 1): int(c) for i, c in enumerate(counts)},
+            "tokens_per_round": entering, "mean_depth": mean, "realised_capacity": mean / R,
+            "bias": model.mor_bias.tolist()}
+
+
+def recursions_markdown(rep: dict[str, Any]) -> str:
+    rule = {"recursion_wise": "a round attends only to tokens that entered it",
+            "shared_first": "a round attends to every earlier token's round-1 keys/values"}[rep["cache_rule"]]
+    lines = [f"Token-choice routing over {rep['rounds']} rounds, cache rule `{rep['cache_rule']}` ({rule}); "
+             f"measured on {rep['tokens']:,} validation tokens. Mean routed depth {rep['mean_depth']:.2f} "
+             f"(realised capacity {rep['realised_capacity']:.2f} of the token-rounds of full depth). Training "
+             "ran every round on every token under masks (its FLOPs count them all); a decoder skips them.", "",
+             "| round | tokens routed to exactly this depth | share of tokens entering this round |",
+             "|---:|---:|---:|"]
+    for r in range(1, rep["rounds"] + 1):
+        lines.append(f"| {r} | {rep['depth_histogram'][str(r)]:,} | {rep['tokens_per_round'][r - 1]:.3f} |")
+    return "\n".join(lines)

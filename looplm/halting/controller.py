@@ -17,7 +17,7 @@ import torch
 from ..errors import UserError
 
 _POLICY_HELP = "expected fixed:R, quantile:Q (0<Q<=1), entropy:TAU or kl:EPS"
-_KINDS = ("fixed", "quantile", "entropy", "kl")
+_KINDS = ("fixed", "quantile", "entropy", "kl", "routed")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class ExitPolicy:
          "entropy"  value TAU: stop once this round's next-token entropy is < TAU nats.
          "kl"       value EPS: stop once KL(p_t ‖ p_{t-1}) between successive rounds' next-token
                                distributions is < EPS nats (never at round 1).
+         "routed"   value R:   stop after the round a Mixture-of-Recursions router chose for the
+                               token (`ExitController.set_depth`); the model's own decision, not a
+                               user policy (the engine uses it for model.mor, prompt tokens included).
     min_rounds:       never stop before this round.
     exit_in_prefill:  if False, prompt tokens always run every round (later decode steps may
                       attend to deep-round KV of the prompt); policies only apply to decoding.
@@ -47,7 +50,7 @@ class ExitPolicy:
         v = self.value
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise UserError(f"exit policy {text!r}: value must be a finite number; {_POLICY_HELP}")
-        if self.kind == "fixed" and (v != int(v) or v < 1):
+        if self.kind in ("fixed", "routed") and (v != int(v) or v < 1):
             raise UserError(f"exit policy {text!r}: R must be an integer >= 1")
         if self.kind == "quantile" and not (0.0 < v <= 1.0):
             raise UserError(f"exit policy {text!r}: Q must satisfy 0<Q<=1")
@@ -59,7 +62,7 @@ class ExitPolicy:
         if not isinstance(self.exit_in_prefill, bool):
             raise UserError(f"exit policy exit_in_prefill: expected true or false, got {self.exit_in_prefill!r}")
         # store fixed:R as an int and the others as floats, so equality and str() are canonical
-        object.__setattr__(self, "value", int(v) if self.kind == "fixed" else float(v))
+        object.__setattr__(self, "value", int(v) if self.kind in ("fixed", "routed") else float(v))
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.value!r}"
@@ -154,8 +157,16 @@ class ExitController:
         self.needs_hazard = policy.kind == "quantile"
         """Whether `decide` needs the gate's hazard of every active token each round."""
         self.survival = torch.ones(n, device=device) if self.needs_hazard else None   # (N,) S_r
+        self.depth = torch.full((n,), rounds, dtype=torch.long, device=device) if policy.kind == "routed" else None
+        """(N,) routed: each token's chosen depth (`set_depth`)."""
         self.logits: torch.Tensor | None = None                                       # (N, V) latest readout
         self._read_at = 0                                                             # its round
+
+    def set_depth(self, ids: torch.Tensor, depth: torch.Tensor) -> None:
+        """routed: the depths (M,) a router chose for tokens ids (M,), before their round 1."""
+        if self.depth is None:
+            raise ValueError("ExitController.set_depth: only the routed policy takes router depths")
+        self.depth[ids] = depth.reshape(-1).to(self.depth.device).clamp(1, self.rounds)
 
     def needs_readout(self, r: int) -> bool:
         """Whether the tokens that run round r must be read out (coda + head) for the decision."""
@@ -191,6 +202,8 @@ class ExitController:
         else:
             if policy.kind == "fixed":
                 stop = torch.full((M,), r >= policy.value, dtype=torch.bool, device=ids.device)
+            elif policy.kind == "routed":
+                stop = self.depth[ids] <= r
             elif policy.kind == "quantile":
                 # not exit_cdf: round r is not the last allowed round here, so no forced mass
                 stop = (1.0 - self.survival[ids]) >= policy.value

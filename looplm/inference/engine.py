@@ -110,6 +110,9 @@ class Engine:
         config = config or GenerationConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cfg = model.cfg
+        if getattr(model, "mor_router", None) is not None:
+            config = self._routed_config(config, model)
+            self.config = config
         check_policy(config.prefill_cache, "--prefill-cache")
         check_policy(config.decode_cache, "--decode-cache")
         if config.missing not in MISSING:
@@ -121,6 +124,8 @@ class Engine:
             text = f"fixed:{config.rounds or model.nominal_rounds}"
         self.policy: ExitPolicy = parse_exit_policy(text, min_rounds=config.min_rounds,
                                                     exit_in_prefill=config.exit_in_prefill)
+        if getattr(model, "mor_router", None) is not None:   # the router decides every token's depth
+            self.policy = ExitPolicy("routed", model.nominal_rounds, exit_in_prefill=True)
         if self.policy.kind == "fixed":
             if config.rounds is not None and config.rounds != self.policy.value:
                 raise UserError(f"--rounds {config.rounds} disagrees with --exit {self.policy}")
@@ -227,6 +232,30 @@ class Engine:
                                                    for sd in (seeds or [0] * len(prompts))])
         events = DecodeBatch(self, ids, plist, deltas=False).step()     # batched prefill, even when speculative
         return [(ev.prompt_logprobs or [], ev.prompt_top_logprobs or []) for ev in sorted(events, key=lambda ev: ev.row)]
+
+    @staticmethod
+    def _routed_config(config: GenerationConfig, model: Any) -> GenerationConfig:
+        """A Mixture-of-Recursions model decodes the function it was trained as: every token (prompt
+        included) stops at its routed depth, and the cache follows the trained rule (model.mor_cache):
+        recursion_wise = "full" with stopped tokens masked, shared_first = "first". Settings that would
+        change that function are refused, not ignored."""
+        import dataclasses
+        rule = model.cfg.mor_cache
+        want = ({"prefill_cache": "full", "decode_cache": "full", "missing": "mask"} if rule == "recursion_wise"
+                else {"prefill_cache": "first", "decode_cache": "first"})
+        defaults = GenerationConfig()
+        for key, value in want.items():
+            given = getattr(config, key)
+            if given != value and given != getattr(defaults, key):
+                raise UserError(f"--{key.replace('_', '-')} {given}: this Mixture-of-Recursions model was trained "
+                                f"with the {rule} cache rule, which decodes with {key} = {value}")
+        if config.exit.strip() != "fixed" or (config.rounds not in (None, model.nominal_rounds)):
+            raise UserError("--exit/--rounds: a Mixture-of-Recursions model's router decides each token's depth "
+                            f"(1..{model.nominal_rounds}); other exit policies or depths are not its function")
+        if config.speculative:
+            raise UserError("--speculative: not available for a Mixture-of-Recursions model (drafts at a fixed "
+                            "depth are not the routed function)")
+        return dataclasses.replace(config, **want, exit_in_prefill=True)
 
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
         c = self.config
@@ -376,8 +405,12 @@ class Engine:
             rows = torch.arange(n, device=s.device)     # cache rows still computing
         ctl = ExitController(policy, R, n, prefill=phase == "prefill", may_exit=may_exit, device=s.device)
         out = torch.zeros(n, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
+        weight = None
+        if policy.kind == "routed":                  # Mixture-of-Recursions: depth and weight from e
+            depth, weight, _ = m.route(e)            # (B', 1) each
+            ctl.set_depth(rows, depth[:, -1])
         for r in range(1, R + 1):
-            s = k.core_step(s, e, r, rope, cache)
+            s = k.core_step(s, e, r, rope, cache) if weight is None else k.routed_step(s, e, r, rope, cache, weight)
             logits = k.readout(s, rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
             hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                     # (B',)
             stop = ctl.decide(r, rows, hazard=hazard, logits=logits)                      # (B',)
@@ -390,6 +423,7 @@ class Engine:
                 if not bool(keep.any()):
                     break
                 rows, s, e, rope = rows[keep], s[keep], e[keep], rope_rows(rope, keep)
+                weight = None if weight is None else weight[keep]
                 cache.select(rows)
         if ctl.read_rounds:
             out = ctl.logits                                    # each row's exit-round readout
@@ -431,8 +465,14 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
     from ..model.flops import decode_flops
     cfg, gate = run.model.cfg, run.model.gate is not None
     P = out.prompt_tokens
-    dec = [decode_flops(cfg, r, P + i, gate) for i, r in enumerate(out.rounds_used)]
-    pre = sum(decode_flops(cfg, engine.rounds, t, gate) for t in range(P)) / max(P, 1)
+    depths = engine.model.nominal_rounds if cfg.mor != "none" else 0
+    dec = [decode_flops(cfg, r, P + i, gate, depths) for i, r in enumerate(out.rounds_used)]
+    prompt_rounds = [engine.rounds] * P
+    if depths:              # a routed prompt token runs its own depth (its router reads only itself)
+        with torch.no_grad():
+            ids = torch.tensor([engine.token_ids(prompt)[0]], device=next(engine.model.parameters()).device)
+            prompt_rounds = engine.model.route(engine.model.encode(ids, engine.model.rope(0, P)))[0][0].tolist()
+    pre = sum(decode_flops(cfg, r, t, gate, depths) for t, r in enumerate(prompt_rounds)) / max(P, 1)
     result["flops_per_token"] = {"decode": sum(dec) / max(len(dec), 1), "prefill": pre,
                                  "decode_flops_per_s": sum(dec) / max(len(dec), 1) * st["decode_tokens_per_s"]}
     if "speculative" in st:

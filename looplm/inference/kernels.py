@@ -152,6 +152,10 @@ class PackedOps(Ops):
     def core_step(self, s: Tensor, e: Tensor, r: int, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
         return self.m.core_step(s, e, r, rope, cache, self)
 
+    def routed_step(self, s: Tensor, e: Tensor, r: int, rope: tuple[Tensor, Tensor], cache: Any,
+                    weight: Tensor) -> Tensor:
+        return self.m.routed_step(s, e, r, rope, cache, weight, self)
+
     def readout(self, s: Tensor, rope: tuple[Tensor, Tensor], cache: Any, r: int, all_positions: bool) -> Tensor:
         """Coda, final norm and head; the head on the last column unless all_positions."""
         return self.m.readout(s, rope, cache, r, self, last_only=not all_positions)

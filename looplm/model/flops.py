@@ -34,6 +34,12 @@ class Visits:
     grad_readouts: int = 0
     prelude_grad: bool = False
     gate_grad: bool = False
+    router_depths: int = 0
+    """Mixture-of-Recursions: the depths the router chooses among (its output width); 0 = rounds."""
+
+    @property
+    def rounds_budget(self) -> int:
+        return self.router_depths or self.rounds
 
 
 def block_matmul_params(cfg, core: bool = False) -> int:
@@ -67,8 +73,12 @@ def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False) -> dic
     head, adapter, gate = _pieces(cfg, exit_gate)
     core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter
     readout = cfg.n_coda * blk + head
-    fwd = cfg.n_prelude * blk + visits.rounds * (core_round + gate) + visits.readouts * readout
+    # a Mixture-of-Recursions router runs once per token, on the prelude output; its weights scale
+    # every routed update, so the backward reaches it whenever any round is in the backward
+    router = 2 * cfg.d_model * visits.rounds_budget if getattr(cfg, "mor", "none") != "none" else 0
+    fwd = cfg.n_prelude * blk + router + visits.rounds * (core_round + gate) + visits.readouts * readout
     bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round
+               + (router if visits.grad_rounds else 0)
                + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout)
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
 
@@ -78,9 +88,10 @@ def train_flops_per_token(cfg, visits: Visits, seq_len: int, exit_gate: bool = F
     return pass_flops(cfg, visits, (seq_len + 1) / 2, exit_gate)["total"]
 
 
-def decode_flops(cfg, rounds: int, position: int, exit_gate: bool = False) -> float:
-    """Forward FLOPs of decoding one token at `position` (0-based) with `rounds` rounds and one readout."""
-    return pass_flops(cfg, Visits(rounds=rounds), position + 1, exit_gate)["forward"]
+def decode_flops(cfg, rounds: int, position: int, exit_gate: bool = False, router_depths: int = 0) -> float:
+    """Forward FLOPs of decoding one token at `position` (0-based) with `rounds` rounds and one readout
+    (router_depths: a Mixture-of-Recursions router's width, the model's nominal rounds)."""
+    return pass_flops(cfg, Visits(rounds=rounds, router_depths=router_depths), position + 1, exit_gate)["forward"]
 
 
 def prelude_receives_gradient(cfg, grad_rounds: tuple[int, ...] | list[int]) -> bool:

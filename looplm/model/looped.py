@@ -59,6 +59,9 @@ class LoopOutput:
     """Auxiliary training losses of routed models, by name: "moe_balance", "moe_z" (LoopMoE, averaged over
     every MoE visit of the pass, model/moe.py). The trainer weighs each by its recipe coefficient
     (`aux_loss_weights`); empty for a dense, unrouted model."""
+    routed_depth: Tensor | None = None
+    """Mixture-of-Recursions: (B, T) the depth the router chose for each token (rounds_used is what ran:
+    the same, except under warm-up's full depth or a shorter `rounds`)."""
     routing: dict[int, list[Tensor]] = field(default_factory=dict)
     """LoopMoE: core block index -> the (B*T, k) experts its tokens chose at each of its visits, in order
     (a shared block: one entry per round; an untied block: one)."""
@@ -96,6 +99,11 @@ class LoopedLM(nn.Module):
         self.adapter = nn.Linear(2 * d, d, bias=False) if cfg.injection == "concat" else None
         self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.state_norm else None
         self.gate = nn.Sequential(nn.RMSNorm(d, eps=cfg.norm_eps), nn.Linear(d, 1)) if exit_gate else None
+        if cfg.mor != "none":   # Mixture-of-Recursions: each token's depth among 1..rounds (model/recursions.py)
+            self.mor_router = nn.Linear(d, rounds, bias=False)
+            self.register_buffer("mor_bias", torch.zeros(rounds))   # loss-free balancing; saved with the weights
+        else:
+            self.mor_router = None
         self.final_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -184,6 +192,18 @@ class LoopedLM(nn.Module):
             x = block(x, rope, cache, ("core", r, i), ops)   # a module call: FSDP's units hook here
         return rms_norm(self.state_norm, x) if self.state_norm is not None else x
 
+    def routed_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any, weight: Tensor,
+                    ops: Ops = EAGER) -> Tensor:
+        """One round of a routed loop for tokens that run it: s + w * (core_step(s) - s), w (B, T) the
+        router's weight of each token's depth (model/recursions.py)."""
+        new = self.core_step(s, e, r, rope, cache, ops)
+        return s + weight.unsqueeze(-1) * (new - s)
+
+    def route(self, e: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Mixture-of-Recursions: (depth (B, T) in 1..nominal rounds, weight (B, T), router logits (B, T, R))."""
+        from .recursions import route
+        return route(self.mor_router, self.mor_bias, e)
+
     def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
                 last_only: bool = False) -> Tensor:
         """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
@@ -220,9 +240,12 @@ class LoopedLM(nn.Module):
         generator: torch.Generator | None = None,
         initial_state: Tensor | None = None,
         collect_stats: bool = False,
+        full_depth: bool = False,
     ) -> LoopOutput:
         """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
-        initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table)."""
+        initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table).
+        A routed loop (model.mor) runs each token to its routed depth (at most `rounds`); full_depth
+        sends every token through every round with weight 1 instead (warm-up)."""
         rounds = self.nominal_rounds if rounds is None else rounds
         if self.cfg.untied and rounds != self.nominal_rounds:
             raise ValueError(f"the untied baseline has blocks for exactly {self.nominal_rounds} rounds, asked {rounds}")
@@ -235,13 +258,27 @@ class LoopedLM(nn.Module):
               else initial_state.to(e.dtype))
 
         wanted = set(readout_rounds or ()) | {rounds}
+        step = lambda s, r: self.core_step(s, e, r, rope, cache)    # noqa: E731
+        routed = None
+        if self.mor_router is not None:
+            if cache is not None:
+                raise ValueError("a routed loop's forward runs whole sequences; decode through the Engine")
+            from .recursions import RoutedVisibility
+            depth, weight, router_logits = self.route(e)
+            routed = (depth, router_logits)
+            if full_depth:
+                depth, weight = torch.full_like(depth, self.nominal_rounds), torch.ones_like(weight)
+            depth = depth.clamp(max=rounds)
+            vis = RoutedVisibility(self.cfg.mor_cache, depth)
+            step = lambda s, r: torch.where((depth >= r).unsqueeze(-1),           # noqa: E731
+                                            self.routed_step(s, e, r, rope, vis, weight), s)
         moe = [(i, blk.mlp) for i, blk in enumerate(self.core) if hasattr(blk.mlp, "trace")]
         for _, mlp in moe:                     # every visit's routing, for the losses and the statistics
             mlp.trace = []
         try:
             # Each readout runs the coda. With a cache every readout attends to the cached coda history
             # (a one-token decode step has no other); the cache keeps the last write, the final round's.
-            run = unroll(lambda s, r: self.core_step(s, e, r, rope, cache), s0, rounds, backward_window, wanted,
+            run = unroll(step, s0, rounds, backward_window, wanted,
                          readout=lambda s, r: self.readout(s, rope, cache, r),
                          keep_states=self.gate is not None or collect_stats,
                          loss_rounds=readout_rounds or (rounds,))
@@ -252,6 +289,10 @@ class LoopedLM(nn.Module):
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
                          grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
                          state=run.state, cache=cache)
+        if routed is not None:
+            from .recursions import mor_losses
+            out.rounds_used, out.routed_depth = depth, routed[0]
+            out.aux_losses.update(mor_losses(*routed))
         if moe:
             from .moe import moe_losses
             losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)
@@ -277,6 +318,7 @@ class LoopedLM(nn.Module):
         """Stored parameter counts by role, each tensor counted once."""
         roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
                  "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "gate": [self.gate],
+                 "router": [self.mor_router],
                  "state_norm": [self.state_norm], "head": [self.head]}
         seen: set[int] = set()
         counts = {}

@@ -81,6 +81,12 @@ class ModelConfig:
     """Experts each token uses per visit (token choice); needs moe_experts > 0."""
     moe_hidden: int = 0
     """Hidden width of one expert. 0 = ffn_hidden (each expert as wide as the dense FFN)."""
+    mor: Literal["none", "token_choice"] = "none"
+    """Mixture-of-Recursions: token_choice = a router on each token's prelude output picks how many of the
+    depth.rounds rounds it runs (top-1), and the chosen depth's probability scales its updates (model/recursions.py)."""
+    mor_cache: Literal["recursion_wise", "shared_first"] = "recursion_wise"
+    """Which earlier tokens a routed round attends to: recursion_wise = only tokens that entered that round;
+    shared_first = every token's round-1 keys/values (and the query's own). Changes the function trained."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "context"):
@@ -117,6 +123,8 @@ class ModelConfig:
         else:
             _check(self.moe_top_k == 2 and self.moe_hidden == 0, "model.moe_top_k",
                    "model.moe_top_k and model.moe_hidden apply to an MoE core: set model.moe_experts > 0")
+        _check(self.mor != "none" or self.mor_cache == "recursion_wise", "model.mor_cache",
+               'applies to a routed loop: set model.mor = "token_choice"')
         # Block takes deeploop over the norm setting, so sandwich would be silently dropped.
         _check(self.residual_scaling != "deeploop" or self.norm == "pre", "model.residual_scaling",
                'deeploop replaces the block norms; it needs model.norm = "pre", not "sandwich"')
@@ -186,6 +194,14 @@ class SupervisionConfig:
     averaged over every MoE visit of the unrolled depth and added to the training loss."""
     moe_z: float = 0.001
     """LoopMoE: weight of the router z-loss mean(logsumexp(router logits)^2), averaged the same way."""
+    mor_balance: float = 0.01
+    """Mixture-of-Recursions: weight of the depth-balance loss R * sum_i f_i P_i (1 when every depth gets
+    the same share of tokens)."""
+    mor_z: float = 0.0
+    """Mixture-of-Recursions: weight of the router z-loss mean(logsumexp(router logits)^2)."""
+    mor_bias_rate: float = 0.0
+    """Mixture-of-Recursions loss-free balancing: after every optimizer step each depth's selection bias moves
+    by this much towards an even load (0 = off; use with mor_balance = 0 for balancing without a loss)."""
 
     def __post_init__(self) -> None:
         if self.kind == "rounds":
@@ -202,6 +218,9 @@ class SupervisionConfig:
         _check(self.moe_balance >= 0 and math.isfinite(self.moe_balance), "supervision.moe_balance",
                "must be finite and >= 0")
         _check(self.moe_z >= 0 and math.isfinite(self.moe_z), "supervision.moe_z", "must be finite and >= 0")
+        for name in ("mor_balance", "mor_z", "mor_bias_rate"):
+            v = getattr(self, name)
+            _check(v >= 0 and math.isfinite(v), f"supervision.{name}", "must be finite and >= 0")
 
     @property
     def round_weights(self) -> tuple[float, ...]:
@@ -359,6 +378,9 @@ class TrainConfig:
     the step's first micro-batch: ||sum_r g_r||^2 / sum_r ||g_r||^2 (1 decorrelated .. R coherent) and
     the visits' pairwise cosines, into metrics.jsonl. Each measurement costs one more forward and
     backward with R copies of the core (train/alignment.py)."""
+    mor_warmup_steps: int = 0
+    """Mixture-of-Recursions: for this many first steps every token runs every round with weight 1 (the plain
+    loop), then the router decides."""
     tensorboard: bool = False
     """Also write every metrics.jsonl row as TensorBoard scalars under RUN/tensorboard/ (the same numbers,
     the same names; runs/tensorboard.py). Needs the tensorboard package: pip install 'looplm[tensorboard]'."""
@@ -384,6 +406,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "eval_batches"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _check(self.threads >= 0, "train.threads", "must be >= 0")
+        _check(self.mor_warmup_steps >= 0, "train.mor_warmup_steps", "must be >= 0")
         _check(self.alignment_every >= 0, "train.alignment_every", "must be >= 0 (0 = never)")
         _check(not (self.alignment_every and self.parallel == "fsdp"), "train.alignment_every",
                "is measured on a whole copy of the model, not with train.parallel = fsdp (use ddp or none)")
@@ -421,6 +444,23 @@ class Recipe:
             _check(bool(self.data.task), "data.round_targets", '"trace" needs task data (data.task)')
             _check(self.supervision.kind != "learned_exit" and self.train.stage == 1, "data.round_targets",
                    '"trace" needs per-round supervision: not supervision.kind = learned_exit or train.stage = 2')
+        if self.model.mor != "none":
+            _check(self.depth.kind == "fixed", "model.mor", "needs depth.kind = fixed (the router picks among "
+                   "depth.rounds depths)")
+            _check(not self.model.untied, "model.mor", "needs a shared core (model.untied = false)")
+            _check(not self.exit.gate and self.exit.policy == "fixed", "model.mor",
+                   "decides each token's depth itself: needs exit.gate = false and exit.policy = fixed")
+            _check(self.supervision.kind == "final", "model.mor",
+                   "reads each token out once, after its routed depth: needs supervision.kind = final")
+            _check(not self.train.alignment_every, "train.alignment_every",
+                   "measures an unrouted core's visits; not available with model.mor")
+        else:
+            defaults, trained = SupervisionConfig(), TrainConfig()
+            for name in ("mor_balance", "mor_z", "mor_bias_rate"):
+                _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
+                       'applies to a routed loop: set model.mor = "token_choice"')
+            _check(self.train.mor_warmup_steps == trained.mor_warmup_steps, "train.mor_warmup_steps",
+                   'applies to a routed loop: set model.mor = "token_choice"')
         if not self.model.moe_experts:
             defaults = SupervisionConfig()
             for name in ("moe_balance", "moe_z"):

@@ -66,7 +66,13 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
                   else f"no exit gate; default policy {r.exit.policy}")),
         ("cache rule", "training runs whole sequences without a cache; at generation every round keeps its own "
                        "key/value history unless a cache policy says otherwise"),
-    ] + ([("mixture of experts", f"each core block's FFN is {m.moe_experts} SwiGLU experts of width {m.moe_hidden}, "
+    ] + ([("recursions", f"Mixture-of-Recursions, token choice: a router on each token's prelude output picks its "
+                         f"depth among 1..{d.rounds} (top-1) and that choice's probability w scales each of its "
+                         f"updates, s <- s + w (core(s) - s); cache rule {m.mor_cache} ("
+                         + ("a round attends only to tokens that entered it" if m.mor_cache == "recursion_wise" else
+                            "a round attends to every earlier token's round-1 keys/values") + "); depth-balance loss x "
+                         f"{s.mor_balance}, router z-loss x {s.mor_z}, loss-free bias rate {s.mor_bias_rate}, "
+                         f"{r.train.mor_warmup_steps} warm-up steps at full depth")] if m.mor != "none" else []) + ([("mixture of experts", f"each core block's FFN is {m.moe_experts} SwiGLU experts of width {m.moe_hidden}, "
                                  f"top-{m.moe_top_k} token choice (softmax renormalised over the chosen), "
                                  + ("each untied layer its own experts" if m.untied else
                                     "the experts shared across rounds and routed afresh at every visit")
@@ -129,6 +135,9 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     if report.get("routing"):
         from ..evaluation.routing import routing_markdown
         lines += ["", "## Routing (LoopMoE)", "", routing_markdown(report["routing"])]
+    if report.get("recursions"):
+        from ..evaluation.routing import recursions_markdown
+        lines += ["", "## Mixture-of-Recursions routing", "", recursions_markdown(report["recursions"])]
     for extra in report.get("sections", []):
         lines += ["", f"## {extra['title']}", "", extra["markdown"]]
     if plots:

@@ -34,6 +34,7 @@ from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation
 from ..model.losses import placement, supervised_loss
 from ..model.flops import Visits, prelude_receives_gradient, train_flops_per_token
 from ..model.looped import LoopedLM, build_model
+from ..model.recursions import depth_counts, update_bias
 from ..data.tokenizer import build_tokenizer, load_tokenizer
 from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core, close_world, full_tensor, init_world,
                        lockstep, no_sync, parallelize, rank_device, shard)
@@ -171,6 +172,8 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         G = recipe.train.batch_size
         noise = {"initial_state": model.random_state((G, *x.shape[1:], recipe.model.d_model), gen,
                                                      torch.float32, device)[rows]}
+    if recipe.model.mor != "none":   # Mixture-of-Recursions warm-up: every token at full depth, weight 1
+        noise["full_depth"] = step < recipe.train.mor_warmup_steps
     with autocast(device, recipe.train.dtype):
         out = (model if forward is None else forward)(x, rounds, backward_window=window, readout_rounds=place.rounds,
                                                       collect_stats=collect_stats, **noise)
@@ -182,6 +185,9 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
                 weights = aux_loss_weights(recipe, supervision)
                 loss = loss + sum(weights[k] * v for k, v in out.aux_losses.items())
                 info = {**info, **{k: v.item() for k, v in out.aux_losses.items()}}
+            if out.routed_depth is not None:
+                info["mor_mean_depth"] = out.routed_depth.float().mean().item()
+                info["mor_full_depth"] = bool(noise.get("full_depth"))
     if world.size > 1:
         # each process's loss is a mean over its own tokens; weighted by its share of the global
         # batch's scored tokens, the processes' gradients sum (DDP/FSDP average) to the global mean's
@@ -218,7 +224,8 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
 
 def aux_loss_weights(recipe: Recipe, supervision: SupervisionConfig) -> dict[str, float]:
     """The recipe's weight for each auxiliary loss a routed model returns (`LoopOutput.aux_losses`)."""
-    return {"moe_balance": supervision.moe_balance, "moe_z": supervision.moe_z}
+    return {"moe_balance": supervision.moe_balance, "moe_z": supervision.moe_z,
+            "mor_balance": supervision.mor_balance, "mor_z": supervision.mor_z}
 
 
 def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: torch.Tensor | None):
@@ -358,6 +365,7 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         align_now = bool(recipe.train.alignment_every) and step % recipe.train.alignment_every == 0
         log_now = step % recipe.train.log_every == 0 or step == total - 1 or align_now
         step_loss, depths, info, out = 0.0, [], {}, None
+        routed_counts = []                 # Mixture-of-Recursions: tokens per routed depth, this step
         before_counts = (counters.tokens_seen, counters.token_passes, counters.train_flops)
         for micro in range(accum):
             x, y, *task_opts = sampler.batch(step * accum + micro, rows)  # task: + mask, rounds
@@ -369,6 +377,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
                                              **(task_opts[0] if task_opts else {}))
             step_loss += loss / accum
             depths.append(out.rounds)
+            if out.routed_depth is not None:
+                routed_counts.append(depth_counts(out.routed_depth, recipe.depth.rounds))
             if align_now and micro == 0 and world.main:    # before the optimizer step: this step's weights
                 from .alignment import measure_alignment
                 opts = {k: v for k, v in (task_opts[0] if task_opts else {}).items() if k != "rounds"}
@@ -391,6 +401,11 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
+        if routed_counts and recipe.supervision.mor_bias_rate > 0:   # loss-free balancing, the same on every rank
+            counts = torch.stack(routed_counts).sum(0)
+            if world.size > 1:
+                counts = torch.tensor(all_sum(world, counts.tolist()))
+            update_bias(model.mor_bias, counts, recipe.supervision.mor_bias_rate)
         counters.losses.append(step_loss)
         dt = time.perf_counter() - t0
         counters.train_time_s += dt
@@ -548,6 +563,9 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         if model.cfg.moe_experts:   # how tokens use the shared experts across visits
             from ..evaluation.routing import routing_report
             extra["routing"] = routing_report(model, batches, recipe.depth.rounds)
+        if model.cfg.mor != "none":  # the depths the router chose
+            from ..evaluation.routing import recursions_report
+            extra["recursions"] = recursions_report(model, batches)
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     place = recipe.supervision
     return {

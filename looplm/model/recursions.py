@@ -1,0 +1,97 @@
+"""Mixture-of-Recursions, token choice (`model.mor = "token_choice"`): a depth per token, chosen up front.
+
+A linear router on the token's prelude output e picks, for each token, how many of the R
+recursions (rounds) it runs — top-1 over R depths — and the probability of that choice scales
+every update the token receives:
+
+    p = softmax(router(e))                         (B, T, R)      over depths 1..R
+    d = argmax(p + bias) + 1                       bias: loss-free balancing (a buffer, not learned)
+    w = p[d]                                       the chosen depth's probability
+    round r, token with d >= r:   s <- s + w * (core(s) - s)
+    round r, token with d <  r:   s unchanged (it stopped; its readout is its state after round d)
+
+The router reads only the token itself, so the decision is causal at decode time: the cached
+engine routes each generated token exactly as training did (`ExitController` with the "routed"
+policy). Warm-up (`train.mor_warmup_steps`) sends every token to full depth with w = 1: the plain loop.
+
+Which earlier tokens a round's attention sees is the *cache rule* (`model.mor_cache`); it changes
+the function being trained, so it is a recipe field recorded on the card, and training (a mask
+here, `RoutedVisibility`) and decoding (the engine's cache) implement the same rule:
+
+    recursion_wise  round r attends only to tokens that entered round r (and the query itself): the
+                    decoder's "full" cache with stopped tokens masked (cache.MISSING "mask")
+    shared_first    round r attends to every earlier token's round-1 keys/values and its own
+                    round-r ones: the decoder's "first" cache policy
+
+Auxiliary losses (`LoopOutput.aux_losses`): "mor_balance" = R * sum_i f_i P_i (f_i: share of tokens
+routed to depth i, P_i: mean router probability of depth i; 1 when the depths are used evenly) and
+"mor_z" = mean logsumexp(router logits)^2; `update_bias` is the loss-free alternative.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .blocks import sdpa
+
+CACHE_RULES = ("recursion_wise", "shared_first")
+
+
+def route(router: torch.nn.Linear, bias: Tensor, e: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """e (B, T, d) -> (depth (B, T) long in 1..R, weight (B, T), logits (B, T, R) fp32)."""
+    logits = router(e).float()
+    probs = logits.softmax(-1)
+    depth = (probs + bias.to(probs.dtype)).argmax(-1)                       # (B, T) 0-based
+    weight = probs.gather(-1, depth.unsqueeze(-1)).squeeze(-1).to(e.dtype)
+    return depth + 1, weight, logits
+
+
+def mor_losses(depth: Tensor, logits: Tensor) -> dict[str, Tensor]:
+    R = logits.shape[-1]
+    f = torch.bincount((depth - 1).flatten(), minlength=R).float() / depth.numel()
+    p = logits.softmax(-1).reshape(-1, R).mean(0)
+    return {"mor_balance": R * (f * p).sum(), "mor_z": torch.logsumexp(logits, -1).pow(2).mean()}
+
+
+def depth_counts(depth: Tensor, R: int) -> Tensor:
+    """(R,) how many tokens the router sent to each depth 1..R."""
+    return torch.bincount((depth - 1).flatten(), minlength=R)
+
+
+@torch.no_grad()
+def update_bias(bias: Tensor, counts: Tensor, rate: float) -> None:
+    """Loss-free balancing after an optimizer step: raise the selection bias of depths chosen less
+    than evenly (counts (R,): the step's tokens per depth, over every process), lower the others'."""
+    load = counts.float() / counts.sum().clamp(min=1)
+    bias += rate * torch.sign(1.0 / bias.shape[0] - load).to(bias.device)
+
+
+class RoutedVisibility:
+    """The cache rule as attention masks over a whole sequence (training and the full forward): a
+    `KVCache` for the core blocks (`attend(slot, q, k, v)`), told before each round which tokens run it."""
+
+    def __init__(self, rule: str, depth: Tensor):
+        if rule not in CACHE_RULES:
+            raise ValueError(f"cache rule {rule!r}: expected one of {', '.join(CACHE_RULES)}")
+        self.rule, self.depth = rule, depth                                  # depth (B, T)
+        self.first: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def attend(self, slot: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kind, r, i = slot
+        if kind != "core":
+            raise RuntimeError(f"RoutedVisibility covers the core only, asked for {slot}")
+        T = q.shape[2]
+        if r == 1:
+            self.first[i] = (k, v)
+            return sdpa(q, k, v, torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
+        eye = torch.eye(T, dtype=torch.bool, device=q.device)
+        if self.rule == "recursion_wise":             # keys: tokens that entered round r, and the query itself
+            entered = (self.depth >= r)[:, None, None, :]                   # (B, 1, 1, T)
+            mask = (torch.ones(T, T, dtype=torch.bool, device=q.device).tril() & entered) | eye
+            return sdpa(q, k, v, mask)
+        k1, v1 = self.first[i]                        # earlier tokens' round-1 entries, the query's own round-r
+        before = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
+        return sdpa(q, torch.cat([k1, k], 2), torch.cat([v1, v], 2), torch.cat([before, eye], 1))
