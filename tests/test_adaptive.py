@@ -513,7 +513,9 @@ def test_eval_exit_missing_kv_is_the_visibility_rule_evaluated(gated_run, capsys
     assert "copy_forward, mask" in capsys.readouterr().err
 
 
-def test_eval_exit_sweep_writes_table_plot_and_report(gated_run, capsys):
+def test_eval_exit_sweep_writes_table_plot_and_report(gated_run, capsys, monkeypatch):
+    import looplm.evaluation.early_exit as adaptive
+    monkeypatch.setattr(adaptive, "TIMING_REPEATS", 2)       # what is written, not how well it is timed
     assert main(["eval", str(gated_run), "--exit-sweep", "entropy", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert len(res["sweep"]) >= 3 and all({"policy", "loss", "mean_rounds", "wall_time_s"} <= set(r) for r in res["sweep"])
