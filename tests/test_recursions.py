@@ -159,3 +159,28 @@ def test_a_trained_run_reports_routes_and_checks(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kernels.PackedOps, "routed_step",
                         lambda self, s, e, r, rope, cache, weight: self.m.core_step(s, e, r, rope, cache, self))
     assert check_routed_decode(run).status == "fail"
+
+
+def test_the_server_decodes_the_routed_function():
+    """`serve` on a routed model: the completion's tokens and per-token rounds are the engine's
+    (which equal the forward pass, above), and /v1/models states the routed policy and cache rule."""
+    import asyncio
+
+    import httpx
+
+    from looplm.serve import create_app
+    m = mor_model()
+    want = Engine(m, TOK).generate(["routing"], SamplingParams(max_new_tokens=6, stop_at_eos=False))[0]
+    app = create_app(Engine(m, TOK))
+
+    async def scenario():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                done = await c.post("/v1/completions", json={"prompt": "routing", "max_tokens": 6, "temperature": 0},
+                                    timeout=60)
+                return done, await c.get("/v1/models")
+    done, models = asyncio.run(scenario())
+    choice = done.json()["choices"][0]
+    assert choice["text"] == want.text and choice["rounds_used"] == want.rounds_used
+    loop = models.json()["data"][0]["looplm"]
+    assert loop["exit"] == "routed:3" and loop["decode_cache"] == "full" and loop["missing_kv"] == "mask"
