@@ -20,9 +20,15 @@ TOK = ByteTokenizer()
 def mor_model(**over):
     torch.manual_seed(0)
     m = looplm.build_model(looplm.load_recipe("quickstart", {**MOR, **over})).eval()
-    with torch.no_grad():              # a router that spreads tokens over the depths
-        m.mor_router.weight.normal_(0, 1.0)
+    with torch.no_grad():              # routers that spread tokens over the depths
+        for router in (m.mor_router, m.mor_aux_router):
+            if router is not None:
+                router.weight.normal_(0, 1.0)
     return m
+
+
+EXPERT = {"model.mor": "expert_choice"}
+KINDS = [{}, EXPERT, {**EXPERT, "model.mor_causal": "aux_router"}]
 
 
 def plain_twin(m):
@@ -30,7 +36,8 @@ def plain_twin(m):
     import dataclasses
     plain = looplm.build_model(looplm.load_recipe("quickstart", {**MOR, "model.mor": "none"})).eval()
     plain.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("mor_")})
-    assert dataclasses.replace(m.cfg, mor="none") == plain.cfg
+    unrouted = dataclasses.replace(m.cfg, mor="none", mor_capacity=(), mor_alpha=0.1, mor_causal="aux_loss")
+    assert unrouted == plain.cfg
     return plain
 
 
@@ -55,12 +62,13 @@ def test_full_depth_is_the_plain_loop_and_rounds_after_a_tokens_depth_leave_it_a
     assert not torch.allclose(out.state[~one], s1[~one])
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=["token", "expert", "expert-aux-router"])
 @pytest.mark.parametrize("rule", ["recursion_wise", "shared_first"])
-def test_cached_decode_equals_the_full_forward_under_each_cache_rule(rule):
-    """The engine (cache policies, one column at a time, every token stopping at its routed depth)
-    and the full forward (masks) compute the same function: greedy tokens, per-token rounds and
-    logits by teacher forcing."""
-    m = mor_model(**{"model.mor_cache": rule})
+def test_cached_decode_equals_the_full_forward_under_each_cache_rule(rule, kind):
+    """The engine (cache policies, one column at a time, every token stopping at its routed depth;
+    expert choice by its causal decision) and the full forward in eval mode (masks) compute the same
+    function: greedy tokens, per-token rounds and logits by teacher forcing."""
+    m = mor_model(**{"model.mor_cache": rule, **kind})
     eng = Engine(m, TOK, GenerationConfig())
     prompt = "the loop decides"
     out = eng.generate([prompt], SamplingParams(max_new_tokens=12, stop_at_eos=False))[0]
@@ -88,8 +96,11 @@ def test_the_two_cache_rules_are_different_functions_once_tokens_stop():
     torch.testing.assert_close(a(x, 1).logits, b(x, 1).logits, rtol=0, atol=1e-6)   # one round: no history
 
 
-def test_routing_is_causal():
-    m = mor_model()
+@pytest.mark.parametrize("kind", KINDS, ids=["token", "expert", "expert-aux-router"])
+def test_routing_is_causal(kind):
+    """At inference no token's depth or logits depend on later tokens (expert choice decides by its
+    causal threshold, not the training top-k over the sequence)."""
+    m = mor_model(**kind)
     x = torch.randint(0, 257, (1, 24))
     y = x.clone()
     y[0, 12:] = torch.randint(0, 257, (12,))
@@ -184,3 +195,55 @@ def test_the_server_decodes_the_routed_function():
     assert choice["text"] == want.text and choice["rounds_used"] == want.rounds_used
     loop = models.json()["data"][0]["looplm"]
     assert loop["exit"] == "routed:3" and loop["decode_cache"] == "full" and loop["missing_kv"] == "mask"
+
+
+def test_expert_choice_in_training_keeps_nested_top_k_sets_of_the_capacity():
+    """Training mode: round r keeps ceil(capacity_r * T) tokens of each sequence, each a subset of
+    the previous round's, the highest router logits among them (checked by hand from the states the
+    rounds saw), and the BCE record is the decision against that choice."""
+    import math
+    m = mor_model(**{**EXPERT, "model.mor_capacity": [1.0, 0.5, 0.25]}).train()
+    x = torch.randint(0, 257, (3, 16))
+    seen = []
+    real = m.expert_choice
+    m.expert_choice = lambda s, r, kept, causal, full=False: seen.append((s, r, kept)) or real(s, r, kept, causal, full)
+    out = m(x)
+    depth = out.rounds_used
+    for r, cap in zip((1, 2, 3), (1.0, 0.5, 0.25)):
+        assert ((depth >= r).sum(1) == math.ceil(cap * 16)).all()
+    for s, r, kept in seen[1:]:
+        logits = m.mor_router(s).float()[..., r - 1].masked_fill(~kept, float("-inf"))
+        want = logits.topk(math.ceil([1.0, 0.5, 0.25][r - 1] * 16), 1).indices.sort(1).values
+        assert torch.equal((depth >= r).nonzero()[:, 1].view(3, -1), want)
+    assert set(out.aux_losses) == {"mor_aux", "mor_z"} and out.aux_losses["mor_aux"] > 0
+
+
+def test_expert_choice_at_capacity_one_with_weight_one_is_the_plain_loop():
+    m = mor_model(**{**EXPERT, "model.mor_capacity": [1.0, 1.0, 1.0]}).train()
+    x = torch.randint(0, 257, (2, 12))
+    assert (m(x).rounds_used == 3).all()
+    with torch.no_grad():            # alpha * sigmoid = 1 everywhere: a huge positive router bias
+        m.mor_router.weight.zero_()
+    import dataclasses
+    m.cfg = dataclasses.replace(m.cfg, mor_alpha=2.0)                  # 2 * sigmoid(0) = 1
+    torch.testing.assert_close(m(x).logits, plain_twin(m)(x).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("over", [{}, EXPERT, {**EXPERT, "model.mor_causal": "aux_router"},
+                                  {**EXPERT, "backward.window": 2}, {"backward.window": 2},
+                                  {**EXPERT, "model.init_state": "zeros"}])
+def test_router_flops_are_counted_as_pytorch_counts_them(over):
+    """The trainer's FLOP counter for a routed training step against PyTorch's FLOP counter: the
+    token-choice router once, an expert-choice router per round (and its auxiliary router), their
+    backward only where gradient flows."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from looplm.model.flops import pass_flops
+    from looplm.train.trainer import Counters, train_step
+    rec = looplm.load_recipe("quickstart", {**MOR, "depth.rounds": 4, **over})
+    m = looplm.build_model(rec).train()
+    x = torch.randint(0, 257, (2, 17))
+    counters = Counters()
+    with FlopCounterMode(display=False) as fc:
+        train_step(m, rec, x[:, :-1], x[:, 1:], step=0, micro=0, counters=counters, rounds=4)
+    measured = sum(v for op, v in fc.get_flop_counts()["Global"].items() if "mm" in str(op))
+    assert measured == 32 * pass_flops(m.cfg, counters.last_visits, 0)["total"]

@@ -118,21 +118,32 @@ def recursions_report(model, batches: list) -> dict[str, Any] | None:
     n = int(counts.sum())
     entering = [int(counts[r - 1:].sum()) / max(n, 1) for r in range(1, R + 1)]
     mean = sum((i + 1) * int(c) for i, c in enumerate(counts)) / max(n, 1)
-    return {"kind": model.cfg.mor, "cache_rule": model.cfg.mor_cache, "rounds": R, "tokens": n,
-            "depth_histogram": {str(i + 1): int(c) for i, c in enumerate(counts)},
-            "tokens_per_round": entering, "mean_depth": mean, "realised_capacity": mean / R,
-            "bias": model.mor_bias.tolist()}
+    rep = {"kind": model.cfg.mor, "cache_rule": model.cfg.mor_cache, "rounds": R, "tokens": n,
+           "depth_histogram": {str(i + 1): int(c) for i, c in enumerate(counts)},
+           "tokens_per_round": entering, "mean_depth": mean, "realised_capacity": mean / R}
+    if model.cfg.mor == "token_choice":
+        rep["bias"] = model.mor_bias.tolist()
+    else:      # what training kept per round (top-k) beside what the causal decision keeps here
+        rep["capacity_schedule"] = list(model.cfg.mor_capacity)
+        rep["causal_decision"] = model.cfg.mor_causal
+    return rep
 
 
 def recursions_markdown(rep: dict[str, Any]) -> str:
     rule = {"recursion_wise": "a round attends only to tokens that entered it",
             "shared_first": "a round attends to every earlier token's round-1 keys/values"}[rep["cache_rule"]]
-    lines = [f"Token-choice routing over {rep['rounds']} rounds, cache rule `{rep['cache_rule']}` ({rule}); "
-             f"measured on {rep['tokens']:,} validation tokens. Mean routed depth {rep['mean_depth']:.2f} "
+    expert = rep["kind"] == "expert_choice"
+    how = ("Expert-choice routing (at inference the causal decision, "
+           f"{'the router' if rep.get('causal_decision') == 'aux_loss' else 'an auxiliary router'}: sigmoid > 0.5)"
+           if expert else "Token-choice routing")
+    lines = [f"{how} over {rep['rounds']} rounds, cache rule `{rep['cache_rule']}` ({rule}); "
+             f"measured on {rep['tokens']:,} validation tokens in eval mode. Mean routed depth {rep['mean_depth']:.2f} "
              f"(realised capacity {rep['realised_capacity']:.2f} of the token-rounds of full depth). Training "
              "ran every round on every token under masks (its FLOPs count them all); a decoder skips them.", "",
-             "| round | tokens routed to exactly this depth | share of tokens entering this round |",
-             "|---:|---:|---:|"]
+             "| round | tokens routed to exactly this depth | share of tokens entering this round |"
+             + (" trained capacity (top-k) |" if expert else ""),
+             "|---:|---:|---:|" + ("---:|" if expert else "")]
     for r in range(1, rep["rounds"] + 1):
-        lines.append(f"| {r} | {rep['depth_histogram'][str(r)]:,} | {rep['tokens_per_round'][r - 1]:.3f} |")
+        lines.append(f"| {r} | {rep['depth_histogram'][str(r)]:,} | {rep['tokens_per_round'][r - 1]:.3f} |"
+                     + (f" {rep['capacity_schedule'][r - 1]:.3f} |" if expert else ""))
     return "\n".join(lines)

@@ -173,10 +173,11 @@ class ExitController:
         return r in self.read_rounds
 
     def decide(self, r: int, ids: torch.Tensor | None = None, *, hazard: torch.Tensor | None = None,
-               logits: torch.Tensor | None = None) -> torch.Tensor:
+               logits: torch.Tensor | None = None, route_stop: torch.Tensor | None = None) -> torch.Tensor:
         """After round r (1-based) of the tokens `ids` (M,) (None: every token, in order), with
         their hazards (M,) (quantile, every round) and readouts (M, V) (entropy/kl at
-        `read_rounds`): which stop now, (M,) bool. Stopped tokens leave `active`."""
+        `read_rounds`), or for the routed policy the router's stop decision (M,) (expert choice;
+        without it the depths of `set_depth`): which stop now, (M,) bool. Stopped tokens leave `active`."""
         if not (isinstance(r, int) and 1 <= r <= self.rounds):
             raise ValueError(f"ExitController.decide: need an integer 1 <= r <= {self.rounds}, got {r!r}")
         policy, R = self.policy, self.rounds
@@ -202,8 +203,8 @@ class ExitController:
         else:
             if policy.kind == "fixed":
                 stop = torch.full((M,), r >= policy.value, dtype=torch.bool, device=ids.device)
-            elif policy.kind == "routed":
-                stop = self.depth[ids] <= r
+            elif policy.kind == "routed":   # an expert-choice router's decision, or the token-choice depth
+                stop = route_stop.reshape(M) if route_stop is not None else self.depth[ids] <= r
             elif policy.kind == "quantile":
                 # not exit_cdf: round r is not the last allowed round here, so no forced mass
                 stop = (1.0 - self.survival[ids]) >= policy.value

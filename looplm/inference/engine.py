@@ -405,15 +405,21 @@ class Engine:
             rows = torch.arange(n, device=s.device)     # cache rows still computing
         ctl = ExitController(policy, R, n, prefill=phase == "prefill", may_exit=may_exit, device=s.device)
         out = torch.zeros(n, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
-        weight = None
-        if policy.kind == "routed":                  # Mixture-of-Recursions: depth and weight from e
+        weight = route_stop = None
+        expert = policy.kind == "routed" and self.cfg.mor == "expert_choice"
+        if policy.kind == "routed" and not expert:   # token choice: depth and weight from e, up front
             depth, weight, _ = m.route(e)            # (B', 1) each
             ctl.set_depth(rows, depth[:, -1])
         for r in range(1, R + 1):
+            if expert:    # this round's router on the state entering it; the causal decision after it
+                weight = m.expert_choice(s, r, torch.ones(s.shape[:2], dtype=torch.bool, device=s.device), True)[1]
             s = k.core_step(s, e, r, rope, cache) if weight is None else k.routed_step(s, e, r, rope, cache, weight)
+            if expert and r < R:
+                route_stop = ~m.expert_choice(s, r + 1, torch.ones(s.shape[:2], dtype=torch.bool,
+                                                                    device=s.device), True)[0][:, -1]
             logits = k.readout(s, rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
             hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                     # (B',)
-            stop = ctl.decide(r, rows, hazard=hazard, logits=logits)                      # (B',)
+            stop = ctl.decide(r, rows, hazard=hazard, logits=logits, route_stop=route_stop)    # (B',)
             if bool(stop.any()):
                 done = rows[stop]
                 if logits is None:  # the exiting rows read out now (their coda entry is this round's)

@@ -73,14 +73,36 @@ def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False) -> dic
     head, adapter, gate = _pieces(cfg, exit_gate)
     core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter
     readout = cfg.n_coda * blk + head
-    # a Mixture-of-Recursions router runs once per token, on the prelude output; its weights scale
-    # every routed update, so the backward reaches it whenever any round is in the backward
-    router = 2 * cfg.d_model * visits.rounds_budget if getattr(cfg, "mor", "none") != "none" else 0
-    fwd = cfg.n_prelude * blk + router + visits.rounds * (core_round + gate) + visits.readouts * readout
+    router_fwd, router_bwd = router_flops(cfg, visits)
+    fwd = cfg.n_prelude * blk + router_fwd + visits.rounds * (core_round + gate) + visits.readouts * readout
     bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round
-               + (router if visits.grad_rounds else 0)
-               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout)
+               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout) + router_bwd
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
+
+
+def router_flops(cfg, visits: Visits) -> tuple[float, float]:
+    """(forward, backward) FLOPs per token of a Mixture-of-Recursions router (0, 0 without one).
+    Token choice: one d x R product on the prelude output; its weight scales every routed update, so
+    the backward (weights and input) runs whenever any round is in the backward. Expert choice: a
+    width-1 product at each round up to R (the round's own router, on the state entering it), its
+    backward (weights, and the input where that carries gradient) in the rounds with gradient; an auxiliary router (mor_causal = aux_router) adds one at
+    each round after the first, on the detached state (its backward: the weights alone)."""
+    kind, d = getattr(cfg, "mor", "none"), cfg.d_model
+    if kind == "none":
+        return 0.0, 0.0
+    if kind == "token_choice":
+        f = 2 * d * visits.rounds_budget
+        return f, 2 * f if visits.grad_rounds else 0.0
+    n = min(visits.rounds, visits.rounds_budget)                      # rounds with a router
+    g = min(visits.grad_rounds, n)                                    # the last g of them have gradient
+    # the state entering the window's first round is a constant (computed without gradient, or a
+    # zeros/random initial state): there the router's backward makes only its weight gradient
+    constant_first = g > 0 and (n - g + 1 > 1 or cfg.init_state != "prelude")
+    fwd, bwd = 2 * d * n, 2 * d * (2 * g - constant_first)
+    if cfg.mor_causal == "aux_router":
+        fwd += 2 * d * max(0, n - 1)
+        bwd += 2 * d * min(g, n - 1)
+    return fwd, bwd
 
 
 def train_flops_per_token(cfg, visits: Visits, seq_len: int, exit_gate: bool = False) -> float:

@@ -99,11 +99,13 @@ class LoopedLM(nn.Module):
         self.adapter = nn.Linear(2 * d, d, bias=False) if cfg.injection == "concat" else None
         self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.state_norm else None
         self.gate = nn.Sequential(nn.RMSNorm(d, eps=cfg.norm_eps), nn.Linear(d, 1)) if exit_gate else None
-        if cfg.mor != "none":   # Mixture-of-Recursions: each token's depth among 1..rounds (model/recursions.py)
-            self.mor_router = nn.Linear(d, rounds, bias=False)
-            self.register_buffer("mor_bias", torch.zeros(rounds))   # loss-free balancing; saved with the weights
-        else:
-            self.mor_router = None
+        # Mixture-of-Recursions (model/recursions.py): token choice scores the depths 1..rounds once; expert
+        # choice scores each round (column r - 1) on the state entering it
+        self.mor_router = nn.Linear(d, rounds, bias=False) if cfg.mor != "none" else None
+        self.mor_aux_router = (nn.Linear(d, rounds, bias=False)
+                               if cfg.mor == "expert_choice" and cfg.mor_causal == "aux_router" else None)
+        # token choice's loss-free balancing bias; saved with the weights (it is part of the routing)
+        self.register_buffer("mor_bias", torch.zeros(rounds) if cfg.mor == "token_choice" else None)
         self.final_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -204,6 +206,29 @@ class LoopedLM(nn.Module):
         from .recursions import route
         return route(self.mor_router, self.mor_bias, e)
 
+    def expert_choice(self, s: Tensor, r: int, kept: Tensor, causal: bool, full: bool = False
+                      ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+        """Expert-choice Mixture-of-Recursions at round r for tokens s (B, T, d) still kept (B, T):
+        (selected (B, T), weights (B, T), the BCE record for rounds after the first or None). Round 1
+        (capacity 1) and `full` keep every kept token; in training (causal False) the top capacity_r
+        share of each sequence by router logit; at inference the causal decision logit > 0."""
+        from .recursions import select_top
+        if r > self.nominal_rounds:                  # no router past the trained rounds: every token has stopped
+            return torch.zeros_like(kept), torch.zeros(kept.shape, dtype=s.dtype, device=s.device), None
+        # round r's router is row r - 1 of the weight: one product of width 1, not all R
+        logits = nn.functional.linear(s, self.mor_router.weight[r - 1:r]).float().squeeze(-1)    # (B, T)
+        weight = (self.cfg.mor_alpha * torch.sigmoid(logits)).to(s.dtype)
+        if r == 1 or full:
+            return kept, weight, None
+        aux = self.mor_aux_router
+        decision = logits if aux is None else \
+            nn.functional.linear(s.detach(), aux.weight[r - 1:r]).float().squeeze(-1)
+        if causal:
+            chosen = kept & (decision > 0)
+        else:
+            chosen = select_top(logits.detach(), kept, self.cfg.mor_capacity[r - 1])
+        return chosen, weight, (decision, chosen, kept)
+
     def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
                 last_only: bool = False) -> Tensor:
         """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
@@ -259,8 +284,24 @@ class LoopedLM(nn.Module):
 
         wanted = set(readout_rounds or ()) | {rounds}
         step = lambda s, r: self.core_step(s, e, r, rope, cache)    # noqa: E731
-        routed = None
-        if self.mor_router is not None:
+        routed = expert = None
+        if self.mor_router is not None and self.cfg.mor == "expert_choice":
+            if cache is not None:
+                raise ValueError("a routed loop's forward runs whole sequences; decode through the Engine")
+            from .recursions import RoutedVisibility
+            vis = RoutedVisibility(self.cfg.mor_cache)
+            # the top-k over a sequence in training; the causal decision (what decoding runs) in eval mode
+            expert = {"kept": torch.ones(B, T, dtype=torch.bool, device=e.device),
+                      "count": torch.zeros(B, T, dtype=torch.long, device=e.device), "records": []}
+
+            def step(s, r):
+                chosen, weight, rec = self.expert_choice(s, r, expert["kept"], not self.training, full_depth)
+                vis.enter(r, chosen)
+                expert["kept"], expert["count"] = chosen, expert["count"] + chosen
+                if rec is not None:
+                    expert["records"].append(rec)
+                return torch.where(chosen.unsqueeze(-1), self.routed_step(s, e, r, rope, vis, weight), s)
+        elif self.mor_router is not None:
             if cache is not None:
                 raise ValueError("a routed loop's forward runs whole sequences; decode through the Engine")
             from .recursions import RoutedVisibility
@@ -293,6 +334,10 @@ class LoopedLM(nn.Module):
             from .recursions import mor_losses
             out.rounds_used, out.routed_depth = depth, routed[0]
             out.aux_losses.update(mor_losses(*routed))
+        if expert is not None:
+            from .recursions import expert_choice_losses
+            out.rounds_used = out.routed_depth = expert["count"]
+            out.aux_losses.update(expert_choice_losses(expert["records"]))
         if moe:
             from .moe import moe_losses
             losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)
@@ -318,7 +363,7 @@ class LoopedLM(nn.Module):
         """Stored parameter counts by role, each tensor counted once."""
         roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
                  "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "gate": [self.gate],
-                 "router": [self.mor_router],
+                 "router": [self.mor_router, self.mor_aux_router],
                  "state_norm": [self.state_norm], "head": [self.head]}
         seen: set[int] = set()
         counts = {}

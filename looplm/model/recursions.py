@@ -30,6 +30,7 @@ routed to depth i, P_i: mean router probability of depth i; 1 when the depths ar
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -69,15 +70,52 @@ def update_bias(bias: Tensor, counts: Tensor, rate: float) -> None:
     bias += rate * torch.sign(1.0 / bias.shape[0] - load).to(bias.device)
 
 
+def default_capacity(rounds: int) -> tuple[float, ...]:
+    """MoR's expert-choice schedule (N - i) / N, i = 0..N-1: 1, 2/3, 1/3 at N = 3."""
+    return tuple((rounds - i) / rounds for i in range(rounds))
+
+
+def select_top(scores: Tensor, kept: Tensor, capacity: float) -> Tensor:
+    """Expert choice at one round: among each sequence's kept tokens (B, T) bool, the
+    ceil(capacity * T) with the highest scores (B, T) -> (B, T) bool, a subset of kept (nested)."""
+    T = scores.shape[1]
+    k = min(T, math.ceil(capacity * T - 1e-9))
+    top = scores.masked_fill(~kept, float("-inf")).topk(k, dim=1).indices                # (B, k)
+    return torch.zeros_like(kept).scatter(1, top, True) & kept
+
+
+def expert_choice_losses(records: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
+    """records: per round after the first, (decision logits (B, T), selected (B, T), candidates (B, T)).
+    "mor_aux": BCE of the decision logits against the selection, over each round's candidates (what
+    makes the causal threshold reproduce the top-k); "mor_z": mean squared logit (keeps them small)."""
+    if not records:
+        zero = torch.zeros(())
+        return {"mor_aux": zero, "mor_z": zero}
+    import torch.nn.functional as F
+    aux = [F.binary_cross_entropy_with_logits(lg[cand], sel[cand].to(lg.dtype)) for lg, sel, cand in records]
+    z = [lg[cand].pow(2).mean() for lg, _, cand in records]
+    return {"mor_aux": torch.stack(aux).mean(), "mor_z": torch.stack(z).mean()}
+
+
 class RoutedVisibility:
     """The cache rule as attention masks over a whole sequence (training and the full forward): a
-    `KVCache` for the core blocks (`attend(slot, q, k, v)`), told before each round which tokens run it."""
+    `KVCache` for the core blocks (`attend(slot, q, k, v)`). Which tokens entered each round: from the
+    token-choice depths (depth (B, T): round r holds depth >= r), or told round by round (`enter`,
+    expert choice)."""
 
-    def __init__(self, rule: str, depth: Tensor):
+    def __init__(self, rule: str, depth: Tensor | None = None):
         if rule not in CACHE_RULES:
             raise ValueError(f"cache rule {rule!r}: expected one of {', '.join(CACHE_RULES)}")
         self.rule, self.depth = rule, depth                                  # depth (B, T)
         self.first: dict[int, tuple[Tensor, Tensor]] = {}
+        self._entered: dict[int, Tensor] = {}
+
+    def enter(self, r: int, tokens: Tensor) -> None:
+        """The tokens (B, T) bool that run round r (before its blocks attend)."""
+        self._entered[r] = tokens
+
+    def entered(self, r: int) -> Tensor:
+        return self.depth >= r if self.depth is not None else self._entered[r]
 
     def attend(self, slot: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kind, r, i = slot
@@ -89,7 +127,7 @@ class RoutedVisibility:
             return sdpa(q, k, v, torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
         eye = torch.eye(T, dtype=torch.bool, device=q.device)
         if self.rule == "recursion_wise":             # keys: tokens that entered round r, and the query itself
-            entered = (self.depth >= r)[:, None, None, :]                   # (B, 1, 1, T)
+            entered = self.entered(r)[:, None, None, :]                     # (B, 1, 1, T)
             mask = (torch.ones(T, T, dtype=torch.bool, device=q.device).tril() & entered) | eye
             return sdpa(q, k, v, mask)
         k1, v1 = self.first[i]                        # earlier tokens' round-1 entries, the query's own round-r

@@ -81,9 +81,20 @@ class ModelConfig:
     """Experts each token uses per visit (token choice); needs moe_experts > 0."""
     moe_hidden: int = 0
     """Hidden width of one expert. 0 = ffn_hidden (each expert as wide as the dense FFN)."""
-    mor: Literal["none", "token_choice"] = "none"
-    """Mixture-of-Recursions: token_choice = a router on each token's prelude output picks how many of the
-    depth.rounds rounds it runs (top-1), and the chosen depth's probability scales its updates (model/recursions.py)."""
+    mor: Literal["none", "token_choice", "expert_choice"] = "none"
+    """Mixture-of-Recursions (model/recursions.py): token_choice = a router on each token's prelude output picks
+    how many of the depth.rounds rounds it runs (top-1), the chosen depth's probability scaling its updates;
+    expert_choice = at every round a router on the state keeps the top mor_capacity share of each sequence's
+    tokens still running (nested), its sigmoid x mor_alpha scaling their updates."""
+    mor_capacity: tuple[float, ...] = ()
+    """expert_choice: the share of a sequence's tokens each round keeps, one per round, starting at 1 and
+    non-increasing. Empty = (N - i) / N (1, 2/3, 1/3 at N = 3 rounds)."""
+    mor_alpha: float = 0.1
+    """expert_choice: scale of the router's sigmoid weight on a kept token's update."""
+    mor_causal: Literal["aux_loss", "aux_router"] = "aux_loss"
+    """expert_choice at inference, where a top-k over the sequence would read the future: a token continues
+    while sigmoid(router logit) > 0.5 (aux_loss: the router itself, trained towards the top-k choice by a BCE
+    loss) or while a separate auxiliary router on the detached state says so (aux_router, trained by that loss)."""
     mor_cache: Literal["recursion_wise", "shared_first"] = "recursion_wise"
     """Which earlier tokens a routed round attends to: recursion_wise = only tokens that entered that round;
     shared_first = every token's round-1 keys/values (and the query's own). Changes the function trained."""
@@ -124,7 +135,16 @@ class ModelConfig:
             _check(self.moe_top_k == 2 and self.moe_hidden == 0, "model.moe_top_k",
                    "model.moe_top_k and model.moe_hidden apply to an MoE core: set model.moe_experts > 0")
         _check(self.mor != "none" or self.mor_cache == "recursion_wise", "model.mor_cache",
-               'applies to a routed loop: set model.mor = "token_choice"')
+               'applies to a routed loop: set model.mor = "token_choice" or "expert_choice"')
+        if self.mor != "expert_choice":
+            _check(not self.mor_capacity and self.mor_alpha == 0.1 and self.mor_causal == "aux_loss",
+                   "model.mor_capacity", 'model.mor_capacity, mor_alpha and mor_causal apply to model.mor = '
+                   '"expert_choice"')
+        else:
+            _check(self.mor_alpha > 0 and math.isfinite(self.mor_alpha), "model.mor_alpha", "must be finite and > 0")
+            c = self.mor_capacity
+            _check(all(0 < x <= 1 for x in c) and all(a >= b for a, b in zip(c, c[1:])) and (not c or c[0] == 1),
+                   "model.mor_capacity", "must start at 1, never increase, and lie in (0, 1]")
         # Block takes deeploop over the norm setting, so sandwich would be silently dropped.
         _check(self.residual_scaling != "deeploop" or self.norm == "pre", "model.residual_scaling",
                'deeploop replaces the block norms; it needs model.norm = "pre", not "sandwich"')
@@ -202,6 +222,9 @@ class SupervisionConfig:
     mor_bias_rate: float = 0.0
     """Mixture-of-Recursions loss-free balancing: after every optimizer step each depth's selection bias moves
     by this much towards an even load (0 = off; use with mor_balance = 0 for balancing without a loss)."""
+    mor_aux: float = 0.01
+    """Mixture-of-Recursions, expert choice: weight of the BCE loss that trains the causal decision (the router's
+    logits, or the auxiliary router's) towards each round's top-k selection."""
 
     def __post_init__(self) -> None:
         if self.kind == "rounds":
@@ -218,7 +241,7 @@ class SupervisionConfig:
         _check(self.moe_balance >= 0 and math.isfinite(self.moe_balance), "supervision.moe_balance",
                "must be finite and >= 0")
         _check(self.moe_z >= 0 and math.isfinite(self.moe_z), "supervision.moe_z", "must be finite and >= 0")
-        for name in ("mor_balance", "mor_z", "mor_bias_rate"):
+        for name in ("mor_balance", "mor_z", "mor_bias_rate", "mor_aux"):
             v = getattr(self, name)
             _check(v >= 0 and math.isfinite(v), f"supervision.{name}", "must be finite and >= 0")
 
@@ -454,13 +477,26 @@ class Recipe:
                    "reads each token out once, after its routed depth: needs supervision.kind = final")
             _check(not self.train.alignment_every, "train.alignment_every",
                    "measures an unrouted core's visits; not available with model.mor")
+            defaults = SupervisionConfig()
+            only = {"token_choice": ("mor_aux",), "expert_choice": ("mor_balance", "mor_bias_rate")}[self.model.mor]
+            for name in only:
+                _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
+                       f"does not apply to model.mor = {self.model.mor!r}")
+            if self.model.mor == "expert_choice":
+                R = self.depth.rounds
+                if not self.model.mor_capacity:
+                    from ..model.recursions import default_capacity
+                    object.__setattr__(self, "model", dataclasses.replace(self.model,
+                                                                          mor_capacity=default_capacity(R)))
+                _check(len(self.model.mor_capacity) == R, "model.mor_capacity",
+                       f"needs one share per round (depth.rounds = {R}), got {len(self.model.mor_capacity)}")
         else:
             defaults, trained = SupervisionConfig(), TrainConfig()
-            for name in ("mor_balance", "mor_z", "mor_bias_rate"):
+            for name in ("mor_balance", "mor_z", "mor_bias_rate", "mor_aux"):
                 _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
-                       'applies to a routed loop: set model.mor = "token_choice"')
+                       'applies to a routed loop: set model.mor = "token_choice" or "expert_choice"')
             _check(self.train.mor_warmup_steps == trained.mor_warmup_steps, "train.mor_warmup_steps",
-                   'applies to a routed loop: set model.mor = "token_choice"')
+                   'applies to a routed loop: set model.mor = "token_choice" or "expert_choice"')
         if not self.model.moe_experts:
             defaults = SupervisionConfig()
             for name in ("moe_balance", "moe_z"):

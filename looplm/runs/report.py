@@ -66,13 +66,20 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
                   else f"no exit gate; default policy {r.exit.policy}")),
         ("cache rule", "training runs whole sequences without a cache; at generation every round keeps its own "
                        "key/value history unless a cache policy says otherwise"),
-    ] + ([("recursions", f"Mixture-of-Recursions, token choice: a router on each token's prelude output picks its "
+    ] + ([("recursions", "Mixture-of-Recursions, expert choice: at round r a router on the state entering it keeps, "
+                         f"of each sequence's tokens still running, the top share {list(round(c, 4) for c in m.mor_capacity)} "
+                         f"(nested sets) in training, and {m.mor_alpha} x sigmoid(score) scales their updates; at "
+                         "inference (and in evaluation) a token continues while "
+                         + ("the router's" if m.mor_causal == "aux_loss" else "an auxiliary router's (on the detached "
+                            "state)") + f" sigmoid > 0.5, trained towards the top-k choice by BCE x {s.mor_aux}; cache "
+                         f"rule {m.mor_cache}; router z-loss x {s.mor_z}; {r.train.mor_warmup_steps} warm-up steps at "
+                         "capacity 1")] if m.mor == "expert_choice" else []) + ([("recursions", f"Mixture-of-Recursions, token choice: a router on each token's prelude output picks its "
                          f"depth among 1..{d.rounds} (top-1) and that choice's probability w scales each of its "
                          f"updates, s <- s + w (core(s) - s); cache rule {m.mor_cache} ("
                          + ("a round attends only to tokens that entered it" if m.mor_cache == "recursion_wise" else
                             "a round attends to every earlier token's round-1 keys/values") + "); depth-balance loss x "
                          f"{s.mor_balance}, router z-loss x {s.mor_z}, loss-free bias rate {s.mor_bias_rate}, "
-                         f"{r.train.mor_warmup_steps} warm-up steps at full depth")] if m.mor != "none" else []) + ([("mixture of experts", f"each core block's FFN is {m.moe_experts} SwiGLU experts of width {m.moe_hidden}, "
+                         f"{r.train.mor_warmup_steps} warm-up steps at full depth")] if m.mor == "token_choice" else []) + ([("mixture of experts", f"each core block's FFN is {m.moe_experts} SwiGLU experts of width {m.moe_hidden}, "
                                  f"top-{m.moe_top_k} token choice (softmax renormalised over the chosen), "
                                  + ("each untied layer its own experts" if m.untied else
                                     "the experts shared across rounds and routed afresh at every visit")

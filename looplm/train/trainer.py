@@ -225,7 +225,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
 def aux_loss_weights(recipe: Recipe, supervision: SupervisionConfig) -> dict[str, float]:
     """The recipe's weight for each auxiliary loss a routed model returns (`LoopOutput.aux_losses`)."""
     return {"moe_balance": supervision.moe_balance, "moe_z": supervision.moe_z,
-            "mor_balance": supervision.mor_balance, "mor_z": supervision.mor_z}
+            "mor_balance": supervision.mor_balance, "mor_z": supervision.mor_z, "mor_aux": supervision.mor_aux}
 
 
 def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: torch.Tensor | None):
