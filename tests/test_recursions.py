@@ -141,30 +141,38 @@ def test_recipe_validation():
         looplm.load_recipe("quickstart", {**MOR, "exit.gate": True, "supervision.kind": "learned_exit"})
 
 
-def test_a_trained_run_reports_routes_and_checks(tmp_path, capsys, monkeypatch):
-    """Train a tiny routed run (warm-up, then the router; loss-free bias on): the warm-up steps ran
-    every token at full depth, the bias moved as the step's counts say, the report and `looplm eval`
-    give the depths the model routes, and `looplm check`'s routed-decode check passes — and fails when
-    decoding ignores the router's weights."""
+@pytest.mark.parametrize("kind", ["token_choice", "expert_choice"])
+def test_a_trained_run_reports_routes_and_checks(tmp_path, capsys, monkeypatch, kind):
+    """Train a tiny routed run (warm-up, then the router; token choice with the loss-free bias on):
+    the warm-up steps ran every token at full depth, the bias moved as the step's counts say, the
+    report and `looplm eval` give the depths the model routes, generate returns them, and `looplm
+    check`'s routed-decode check passes — and fails when decoding ignores the router's weights."""
     import json
 
     from looplm.checks import check_routed_decode
     from looplm.cli import main
     from looplm.train.trainer import train
     from conftest import tiny_recipe
-    rec = tiny_recipe(**{"model.mor": "token_choice", "model.init_state": "prelude", "backward.window": "all",
-                         "train.mor_warmup_steps": 2, "supervision.mor_bias_rate": 0.05, "train.log_every": 1})
+    extra = {"supervision.mor_bias_rate": 0.05} if kind == "token_choice" else {}
+    rec = tiny_recipe(**{"model.mor": kind, "model.init_state": "prelude", "backward.window": "all",
+                         "train.mor_warmup_steps": 2, "train.log_every": 1, **extra})
     train(rec, tmp_path / "run", quiet=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["mor_full_depth"] for r in rows] == [True, True] + [False] * (len(rows) - 2)
+    assert all((r["mor_mean_depth"] == 3) == r["mor_full_depth"] or kind == "token_choice" for r in rows)
     run = looplm.load_run(tmp_path / "run")
-    bias = run.model.mor_bias
-    assert bias.abs().sum() > 0 and torch.allclose(bias / 0.05, (bias / 0.05).round(), atol=1e-4)
+    if kind == "token_choice":
+        bias = run.model.mor_bias
+        assert bias.abs().sum() > 0 and torch.allclose(bias / 0.05, (bias / 0.05).round(), atol=1e-4)
     rep = json.loads((tmp_path / "run" / "report.json").read_text())["recursions"]
     assert sum(rep["depth_histogram"].values()) == rep["tokens"] and rep["tokens_per_round"][0] == 1.0
+    assert (tmp_path / "run" / "recursions.png").is_file()
     assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recursions"] == rep
     assert main(["eval", str(tmp_path / "run"), "--exit", "entropy:1"]) == 2
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "4", "--json"]) == 0
+    gen = json.loads(capsys.readouterr().out)
+    assert len(gen["rounds_used"]) == 4 and gen["exit"] == "routed:3" and 1 <= min(gen["rounds_used"])
     assert check_routed_decode(run).passed
     from looplm.inference import kernels
     monkeypatch.setattr(kernels.PackedOps, "routed_step",

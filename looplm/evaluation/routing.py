@@ -147,3 +147,24 @@ def recursions_markdown(rep: dict[str, Any]) -> str:
         lines.append(f"| {r} | {rep['depth_histogram'][str(r)]:,} | {rep['tokens_per_round'][r - 1]:.3f} |"
                      + (f" {rep['capacity_schedule'][r - 1]:.3f} |" if expert else ""))
     return "\n".join(lines)
+
+
+def plot_recursions(path: Path, rep: dict[str, Any]) -> None:
+    """Share of tokens entering each round (and, for expert choice, the capacity trained with top-k)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    R = rep["rounds"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, R + 1), rep["tokens_per_round"], label="tokens entering the round (eval)")
+    if rep.get("capacity_schedule"):
+        ax.plot(range(1, R + 1), rep["capacity_schedule"], "ko--", label="trained capacity (top-k)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("share of tokens")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Mixture-of-Recursions ({rep['kind']}, {rep['cache_rule']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -410,13 +410,14 @@ class Engine:
         if policy.kind == "routed" and not expert:   # token choice: depth and weight from e, up front
             depth, weight, _ = m.route(e)            # (B', 1) each
             ctl.set_depth(rows, depth[:, -1])
+        every = torch.ones(s.shape[:2], dtype=torch.bool, device=s.device)
+        if expert:        # round 1's router on the initial state (every token runs round 1)
+            weight = m.expert_choice(s, 1, every, True)[1]
         for r in range(1, R + 1):
-            if expert:    # this round's router on the state entering it; the causal decision after it
-                weight = m.expert_choice(s, r, torch.ones(s.shape[:2], dtype=torch.bool, device=s.device), True)[1]
             s = k.core_step(s, e, r, rope, cache) if weight is None else k.routed_step(s, e, r, rope, cache, weight)
-            if expert and r < R:
-                route_stop = ~m.expert_choice(s, r + 1, torch.ones(s.shape[:2], dtype=torch.bool,
-                                                                    device=s.device), True)[0][:, -1]
+            if expert and r < R:   # round r + 1's router on the state entering it: who continues, and the weight
+                chosen, weight, _ = m.expert_choice(s, r + 1, every[:s.shape[0]], True)
+                route_stop = ~chosen[:, -1]
             logits = k.readout(s, rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
             hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                     # (B',)
             stop = ctl.decide(r, rows, hazard=hazard, logits=logits, route_stop=route_stop)    # (B',)
@@ -474,10 +475,10 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
     depths = engine.model.nominal_rounds if cfg.mor != "none" else 0
     dec = [decode_flops(cfg, r, P + i, gate, depths) for i, r in enumerate(out.rounds_used)]
     prompt_rounds = [engine.rounds] * P
-    if depths:              # a routed prompt token runs its own depth (its router reads only itself)
+    if depths:              # a routed prompt token runs its own depth: the forward's (equal to the decoder's)
         with torch.no_grad():
             ids = torch.tensor([engine.token_ids(prompt)[0]], device=next(engine.model.parameters()).device)
-            prompt_rounds = engine.model.route(engine.model.encode(ids, engine.model.rope(0, P)))[0][0].tolist()
+            prompt_rounds = engine.model.eval()(ids).rounds_used[0].tolist()
     pre = sum(decode_flops(cfg, r, t, gate, depths) for t, r in enumerate(prompt_rounds)) / max(P, 1)
     result["flops_per_token"] = {"decode": sum(dec) / max(len(dec), 1), "prefill": pre,
                                  "decode_flops_per_s": sum(dec) / max(len(dec), 1) * st["decode_tokens_per_s"]}

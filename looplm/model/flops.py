@@ -36,6 +36,9 @@ class Visits:
     gate_grad: bool = False
     router_depths: int = 0
     """Mixture-of-Recursions: the depths the router chooses among (its output width); 0 = rounds."""
+    router_lookahead: bool = False
+    """Expert-choice decoding: after a token's last round the next round's router still runs (it is what
+    says the token stops), unless that was round R."""
 
     @property
     def rounds_budget(self) -> int:
@@ -93,7 +96,8 @@ def router_flops(cfg, visits: Visits) -> tuple[float, float]:
     if kind == "token_choice":
         f = 2 * d * visits.rounds_budget
         return f, 2 * f if visits.grad_rounds else 0.0
-    n = min(visits.rounds, visits.rounds_budget)                      # rounds with a router
+    # rounds with a router; decoding also runs the next round's router to decide that the token stops
+    n = min(visits.rounds + visits.router_lookahead, visits.rounds_budget)
     g = min(visits.grad_rounds, n)                                    # the last g of them have gradient
     # the state entering the window's first round is a constant (computed without gradient, or a
     # zeros/random initial state): there the router's backward makes only its weight gradient
@@ -113,7 +117,8 @@ def train_flops_per_token(cfg, visits: Visits, seq_len: int, exit_gate: bool = F
 def decode_flops(cfg, rounds: int, position: int, exit_gate: bool = False, router_depths: int = 0) -> float:
     """Forward FLOPs of decoding one token at `position` (0-based) with `rounds` rounds and one readout
     (router_depths: a Mixture-of-Recursions router's width, the model's nominal rounds)."""
-    return pass_flops(cfg, Visits(rounds=rounds, router_depths=router_depths), position + 1, exit_gate)["forward"]
+    visits = Visits(rounds=rounds, router_depths=router_depths, router_lookahead=getattr(cfg, "mor", "") == "expert_choice")
+    return pass_flops(cfg, visits, position + 1, exit_gate)["forward"]
 
 
 def prelude_receives_gradient(cfg, grad_rounds: tuple[int, ...] | list[int]) -> bool:

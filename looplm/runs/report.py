@@ -195,6 +195,10 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
         from ..evaluation.routing import plot_routing
         plot_routing(run_dir / "routing.png", report["routing"])
         names.append("routing.png")
+    if report.get("recursions"):
+        from ..evaluation.routing import plot_recursions
+        plot_recursions(run_dir / "recursions.png", report["recursions"])
+        names.append("recursions.png")
     return names
 
 
@@ -273,7 +277,7 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> None:
 
 
 PLOT_FILES = ("loss.png", "val_by_rounds.png", "depth_histograms.png", "depth_extrapolation.png", "round_telemetry.png",
-              "routing.png")
+              "routing.png", "recursions.png")
 
 
 def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] | None = None) -> bool:
