@@ -98,7 +98,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lines.append(f"recursions ({rep['cache_rule']}): mean routed depth {rep['mean_depth']:.2f} of {rep['rounds']}, "
                      "tokens entering each round " + ", ".join(f"{v:.2f}" for v in rep["tokens_per_round"]))
     if args.exit or args.exit_sweep:  # per-token early exit that skips the rounds after each token's exit
-        from .evaluation.early_exit import exit_eval
+        from .evaluation.early_exit import EXIT_PASS_ROWS, exit_eval
+        if args.batch_size is None and run.recipe.model.init_state != "random":
+            # the same windows in passes of EXIT_PASS_ROWS rows: identical losses and rounds (the initial
+            # state is deterministic), partial rounds' per-call overhead amortised as a server's batches would
+            batches = eval_batches_for(run, args.data, batch_size=max(EXIT_PASS_ROWS, run.recipe.train.batch_size))
         extra, extra_lines = exit_eval(run, batches, args.exit, args.exit_sweep,
                                        data_label=args.data or "the run's validation split", missing=_missing(args))
         result.update(extra)

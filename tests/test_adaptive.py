@@ -487,6 +487,16 @@ def test_eval_batch_size_regroups_the_same_windows(gated_run, capsys):
     assert main(["eval", str(gated_run), "--rounds", "1", "--batch-size", "5", "--json"]) == 0
     assert "1" in json.loads(capsys.readouterr().out)["rounds"]
     assert main(["eval", str(gated_run), "--batch-size", "0"]) == 2
+    # early exit is timed in passes of EXIT_PASS_ROWS (here: all 8 windows) when the initial state is
+    # deterministic; a random one keeps the recipe's batches of 4
+    import shutil
+    det = gated_run.parent / "deterministic"
+    shutil.copytree(gated_run, det, dirs_exist_ok=True)
+    toml = det / "recipe.toml"
+    toml.write_text(toml.read_text().replace('init_state = "random"', 'init_state = "prelude"'))
+    for path, extra, rows in ((gated_run, [], 4), (det, [], 8), (det, ["--batch-size", "4"], 4)):
+        assert main(["eval", str(path), "--exit", "quantile:0.5", "--json", *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["pass_rows"] == rows, (path, extra)
 
 
 def test_eval_exit_missing_kv_is_the_visibility_rule_evaluated(gated_run, capsys):

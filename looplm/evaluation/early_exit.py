@@ -552,6 +552,12 @@ def plot_sweep(path, kind: str, rows: list[dict[str, Any]], reference: list[dict
     plt.close(fig)
 
 
+EXIT_PASS_ROWS = 32
+"""`looplm eval --exit/--exit-sweep` without --batch-size time early exit in passes of at least this
+many rows (the validation windows regrouped) when the initial state is deterministic, so that the
+losses and rounds are exactly those of the recipe's batches; a random initial state keeps the
+recipe's batches (its noise is drawn per pass), so fixed:R still equals the rounds table."""
+
 TIMING_REPEATS = 5
 """`looplm eval --exit/--exit-sweep` report the median wall time of this many passes per policy,
 the policies (and the fixed depths beside them) timed in turn within each pass (`time_policies`)."""
@@ -577,10 +583,10 @@ def exit_eval(run, batches: list, policy: str | None = None, sweep: str | None =
     batches = list(batches)
     if not batches:
         raise UserError("evaluation data: no batches to evaluate")
+    result: dict[str, Any] = {"pass_rows": max(len(b[0]) for b in batches)}
     early_exit(model, batches[0][0][:1], f"fixed:{R}", R)               # warm-up, not timed
     dist = exit_distribution_depth(model, batches, R)
     dist_text = "no gate" if dist is None else f"{dist:.2f}"
-    result: dict[str, Any] = {}
     lines: list[str] = []
     if policy is not None:
         pol = cli_policy(policy, recipe)
