@@ -19,6 +19,18 @@ TINY = {
 }
 
 
+@torch.no_grad()
+def greedy_by_full_forward(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from a whole forward pass over the sequence so far (no cache): the
+    reference cached decoding must equal."""
+    seq, out = torch.tensor([ids]), []
+    for _ in range(n):
+        nxt = int(model(seq).logits[0, -1].argmax())
+        out.append(nxt)
+        seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
+    return out
+
+
 def tiny_recipe(**overrides):
     return looplm.load_recipe("quickstart", overrides={**TINY, **overrides})
 

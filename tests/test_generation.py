@@ -18,6 +18,8 @@ from looplm.errors import UserError
 from looplm.inference.engine import Engine, GenerationConfig, SamplingParams, TokenEvent
 from looplm.data.tokenizer import ByteTokenizer
 
+from conftest import greedy_by_full_forward
+
 # init_std 0.3 spreads the logits, so greedy choices are far from ties
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
         "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
@@ -343,14 +345,7 @@ def test_cached_greedy_matches_the_no_cache_reference(model):
     m = tiny(**{"model.init_state": "prelude"})
     eng = Engine(m, TOK, GenerationConfig())
     for prompt in PROMPTS[:3]:
-        ids = TOK.encode(prompt)
-        seq = torch.tensor([ids])
-        want = []
-        with torch.no_grad():
-            for _ in range(10):
-                nxt = int(m(seq).logits[0, -1].argmax())
-                want.append(nxt)
-                seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
+        want = greedy_by_full_forward(m, TOK.encode(prompt), 10)
         assert eng.generate([prompt], SamplingParams(max_new_tokens=10, stop_at_eos=False))[0].tokens == want
 
 

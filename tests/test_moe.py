@@ -162,13 +162,8 @@ def test_cached_decode_equals_the_full_forward():
     m = moe_model()
     tok = ByteTokenizer()
     eng = Engine(m, tok, GenerationConfig())
-    seq = torch.tensor([tok.encode("loop the core")])
-    want = []
-    with torch.no_grad():
-        for _ in range(10):
-            nxt = int(m(seq).logits[0, -1].argmax())
-            want.append(nxt)
-            seq = torch.cat([seq, torch.tensor([[nxt]])], 1)
+    from conftest import greedy_by_full_forward
+    want = greedy_by_full_forward(m, tok.encode("loop the core"), 10)
     got = eng.generate(["loop the core"], SamplingParams(max_new_tokens=10, stop_at_eos=False))[0].tokens
     assert got == want
     spec = Engine(m, tok, GenerationConfig(speculative="1:3")).generate(
