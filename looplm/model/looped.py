@@ -284,35 +284,13 @@ class LoopedLM(nn.Module):
 
         wanted = set(readout_rounds or ()) | {rounds}
         step = lambda s, r: self.core_step(s, e, r, rope, cache)    # noqa: E731
-        routed = expert = None
-        if self.mor_router is not None and self.cfg.mor == "expert_choice":
+        routed = None
+        if self.mor_router is not None:        # each token runs the rounds its router gives it
             if cache is not None:
                 raise ValueError("a routed loop's forward runs whole sequences; decode through the Engine")
-            from .recursions import RoutedVisibility
-            vis = RoutedVisibility(self.cfg.mor_cache)
-            # the top-k over a sequence in training; the causal decision (what decoding runs) in eval mode
-            expert = {"kept": torch.ones(B, T, dtype=torch.bool, device=e.device),
-                      "count": torch.zeros(B, T, dtype=torch.long, device=e.device), "records": []}
-
-            def step(s, r):
-                chosen, weight, rec = self.expert_choice(s, r, expert["kept"], not self.training, full_depth)
-                vis.enter(r, chosen)
-                expert["kept"], expert["count"] = chosen, expert["count"] + chosen
-                if rec is not None:
-                    expert["records"].append(rec)
-                return torch.where(chosen.unsqueeze(-1), self.routed_step(s, e, r, rope, vis, weight), s)
-        elif self.mor_router is not None:
-            if cache is not None:
-                raise ValueError("a routed loop's forward runs whole sequences; decode through the Engine")
-            from .recursions import RoutedVisibility
-            depth, weight, router_logits = self.route(e)
-            routed = (depth, router_logits)
-            if full_depth:
-                depth, weight = torch.full_like(depth, self.nominal_rounds), torch.ones_like(weight)
-            depth = depth.clamp(max=rounds)
-            vis = RoutedVisibility(self.cfg.mor_cache, depth)
-            step = lambda s, r: torch.where((depth >= r).unsqueeze(-1),           # noqa: E731
-                                            self.routed_step(s, e, r, rope, vis, weight), s)
+            from .recursions import RoutedLoop
+            routed = RoutedLoop(self, e, rope, rounds, full_depth)
+            step = routed.step
         moe = [(i, blk.mlp) for i, blk in enumerate(self.core) if hasattr(blk.mlp, "trace")]
         for _, mlp in moe:                     # every visit's routing, for the losses and the statistics
             mlp.trace = []
@@ -331,13 +309,7 @@ class LoopedLM(nn.Module):
                          grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
                          state=run.state, cache=cache)
         if routed is not None:
-            from .recursions import mor_losses
-            out.rounds_used, out.routed_depth = depth, routed[0]
-            out.aux_losses.update(mor_losses(*routed))
-        if expert is not None:
-            from .recursions import expert_choice_losses
-            out.rounds_used = out.routed_depth = expert["count"]
-            out.aux_losses.update(expert_choice_losses(expert["records"]))
+            routed.record(out)
         if moe:
             from .moe import moe_losses
             losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)

@@ -133,3 +133,48 @@ class RoutedVisibility:
         k1, v1 = self.first[i]                        # earlier tokens' round-1 entries, the query's own round-r
         before = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
         return sdpa(q, torch.cat([k1, k], 2), torch.cat([v1, v], 2), torch.cat([before, eye], 1))
+
+
+class RoutedLoop:
+    """A routed loop over whole sequences (`LoopedLM.forward`): `step(s, r)` is the recurrence's
+    step, `record(out)` puts what the routing did on the LoopOutput (rounds_used, routed_depth, the
+    auxiliary losses). Token choice decides every depth from e up front; expert choice decides round
+    by round — by the top-k in training, by the causal decision in eval mode (what decoding runs).
+    A token that does not run round r keeps its state; the cache rule masks what each round sees."""
+
+    def __init__(self, model, e: Tensor, rope: Any, rounds: int, full_depth: bool):
+        self.model, self.e, self.rope, self.full = model, e, rope, full_depth
+        B, T = e.shape[:2]
+        rule = model.cfg.mor_cache
+        if model.cfg.mor == "token_choice":
+            depth, self.weight, self.logits = model.route(e)
+            self.routed = depth
+            if full_depth:                      # warm-up: every token every round, weight 1 (the plain loop)
+                depth, self.weight = torch.full_like(depth, model.nominal_rounds), torch.ones_like(self.weight)
+            self.depth = depth.clamp(max=rounds)
+            self.vis = RoutedVisibility(rule, self.depth)
+        else:
+            self.vis = RoutedVisibility(rule)
+            self.kept = torch.ones(B, T, dtype=torch.bool, device=e.device)
+            self.count = torch.zeros(B, T, dtype=torch.long, device=e.device)
+            self.records: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def step(self, s: Tensor, r: int) -> Tensor:
+        m = self.model
+        if m.cfg.mor == "token_choice":
+            runs, weight = self.depth >= r, self.weight
+        else:
+            runs, weight, rec = m.expert_choice(s, r, self.kept, not m.training, self.full)
+            self.vis.enter(r, runs)
+            self.kept, self.count = runs, self.count + runs
+            if rec is not None:
+                self.records.append(rec)
+        return torch.where(runs.unsqueeze(-1), m.routed_step(s, self.e, r, self.rope, self.vis, weight), s)
+
+    def record(self, out: Any) -> None:
+        if self.model.cfg.mor == "token_choice":
+            out.rounds_used, out.routed_depth = self.depth, self.routed
+            out.aux_losses.update(mor_losses(self.routed, self.logits))
+        else:
+            out.rounds_used = out.routed_depth = self.count
+            out.aux_losses.update(expert_choice_losses(self.records))
