@@ -70,11 +70,6 @@ def update_bias(bias: Tensor, counts: Tensor, rate: float) -> None:
     bias += rate * torch.sign(1.0 / bias.shape[0] - load).to(bias.device)
 
 
-def default_capacity(rounds: int) -> tuple[float, ...]:
-    """MoR's expert-choice schedule (N - i) / N, i = 0..N-1: 1, 2/3, 1/3 at N = 3."""
-    return tuple((rounds - i) / rounds for i in range(rounds))
-
-
 def select_top(scores: Tensor, kept: Tensor, capacity: float) -> Tensor:
     """Expert choice at one round: among each sequence's kept tokens (B, T) bool, the
     ceil(capacity * T) with the highest scores (B, T) -> (B, T) bool, a subset of kept (nested)."""

@@ -484,10 +484,9 @@ class Recipe:
                        f"does not apply to model.mor = {self.model.mor!r}")
             if self.model.mor == "expert_choice":
                 R = self.depth.rounds
-                if not self.model.mor_capacity:
-                    from ..model.recursions import default_capacity
-                    object.__setattr__(self, "model", dataclasses.replace(self.model,
-                                                                          mor_capacity=default_capacity(R)))
+                if not self.model.mor_capacity:      # MoR's schedule (N - i) / N: 1, 2/3, 1/3 at N = 3
+                    capacity = tuple((R - i) / R for i in range(R))
+                    object.__setattr__(self, "model", dataclasses.replace(self.model, mor_capacity=capacity))
                 _check(len(self.model.mor_capacity) == R, "model.mor_capacity",
                        f"needs one share per round (depth.rounds = {R}), got {len(self.model.mor_capacity)}")
         else:
