@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..inference.cache import MISSING
-from ..model.blocks import sdpa
+from ..model.blocks import round_visibility, sdpa
 from ..halting import ExitController, ExitPolicy, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
 from ..model.looped import LoopOutput
 
@@ -169,13 +169,11 @@ class SequenceKV:
         self._layout, self._mask = layout, None
         if layout is None:
             return
-        keys = torch.arange(self.T, device=self.device)
-        mask = keys <= layout.rows.unsqueeze(-1)                             # (B', W, T) causal
-        if self.missing == "mask":
-            # stopped tokens drop out of later rounds; a query is active, so it still sees itself
-            seq = torch.arange(self.B, device=self.device).unsqueeze(1) if layout.src is None else layout.src.unsqueeze(1)
-            mask = mask & active[seq]                                         # (B', 1, T) -> (B', W, T)
-        self._mask = mask.unsqueeze(1)                                       # (B', 1, W, T)
+        ran = None
+        if self.missing == "mask":               # stopped tokens drop out of later rounds
+            seq = torch.arange(self.B, device=self.device) if layout.src is None else layout.src
+            ran = active[seq]                                                 # (B', T)
+        self._mask = round_visibility(layout.rows, ran, self.T).unsqueeze(1)  # (B', 1, W, T)
 
     def attend(self, slot: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (B, H, T, Dh), k, v (B, Hkv, T, Dh) for every token, or (1, ., N, Dh) for the packed

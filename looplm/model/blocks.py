@@ -87,6 +87,21 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def round_visibility(query_pos: Tensor, key_ran: Tensor | None, length: int) -> Tensor:
+    """The visibility rule of one round's attention over whole sequences: query positions (..., W)
+    and, under "mask", whether each of the `length` keys' tokens ran this round (..., length) bool
+    (None: every key is there, copy-forward) -> (..., W, length) bool, True = may attend: causal,
+    only keys whose token ran the round, and always the query itself (a row is never empty). Used
+    by whole-sequence early exit (`SequenceKV`) and the routed training forward
+    (`recursions.RoutedVisibility`); the decoder's cache (inference/cache.py) states the same rule per column."""
+    keys = torch.arange(length, device=query_pos.device)
+    pos = query_pos.unsqueeze(-1)
+    seen = keys <= pos
+    if key_ran is not None:
+        seen = seen & key_ran.unsqueeze(-2)
+    return seen | (keys == pos)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .blocks import sdpa
+from .blocks import round_visibility, sdpa
 
 CACHE_RULES = ("recursion_wise", "shared_first")
 
@@ -120,11 +120,10 @@ class RoutedVisibility:
         if r == 1:
             self.first[i] = (k, v)
             return sdpa(q, k, v, torch.ones(T, T, dtype=torch.bool, device=q.device).tril())
-        eye = torch.eye(T, dtype=torch.bool, device=q.device)
         if self.rule == "recursion_wise":             # keys: tokens that entered round r, and the query itself
-            entered = self.entered(r)[:, None, None, :]                     # (B, 1, 1, T)
-            mask = (torch.ones(T, T, dtype=torch.bool, device=q.device).tril() & entered) | eye
-            return sdpa(q, k, v, mask)
+            positions = torch.arange(T, device=q.device).expand(q.shape[0], T)
+            return sdpa(q, k, v, round_visibility(positions, self.entered(r), T).unsqueeze(1))   # (B, 1, T, T)
+        eye = torch.eye(T, dtype=torch.bool, device=q.device)
         k1, v1 = self.first[i]                        # earlier tokens' round-1 entries, the query's own round-r
         before = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
         return sdpa(q, torch.cat([k1, k], 2), torch.cat([v1, v], 2), torch.cat([before, eye], 1))
