@@ -255,3 +255,15 @@ def test_router_flops_are_counted_as_pytorch_counts_them(over):
         train_step(m, rec, x[:, :-1], x[:, 1:], step=0, micro=0, counters=counters, rounds=4)
     measured = sum(v for op, v in fc.get_flop_counts()["Global"].items() if "mm" in str(op))
     assert measured == 32 * pass_flops(m.cfg, counters.last_visits, 0)["total"]
+
+
+def test_routed_is_not_a_user_exit_policy():
+    """"routed" is the router's own decision: a user cannot ask a plain model for it (it would
+    silently mean full depth), on the command line or in a recipe."""
+    from looplm.halting import parse_exit_policy
+    with pytest.raises(UserError, match="exit policy"):
+        parse_exit_policy("routed:3")
+    with pytest.raises(UserError, match="exit policy"):
+        looplm.load_recipe("quickstart", {"exit.policy": "routed:4"})
+    with pytest.raises(UserError):
+        Engine(plain_twin(mor_model()), TOK, GenerationConfig(exit="routed:3"))

@@ -77,7 +77,8 @@ def parse_exit_policy(text: str, *, min_rounds: int = 1, exit_in_prefill: bool =
         raise UserError(f"exit policy {text!r}: {_POLICY_HELP}")
     kind, sep, raw = text.strip().partition(":")
     kind, raw = kind.strip().lower(), raw.strip()
-    if not sep or kind not in _KINDS or not raw:
+    if not sep or kind not in _KINDS or kind == "routed" or not raw:
+        # "routed" is a Mixture-of-Recursions model's own decision (the engine sets it), not a user policy
         raise UserError(f"exit policy {text!r}: {_POLICY_HELP}")
     try:
         value: float = int(raw) if kind == "fixed" else float(raw)

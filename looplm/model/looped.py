@@ -57,8 +57,9 @@ class LoopOutput:
     backward window do not require grad."""
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     """Auxiliary training losses of routed models, by name: "moe_balance", "moe_z" (LoopMoE, averaged over
-    every MoE visit of the pass, model/moe.py). The trainer weighs each by its recipe coefficient
-    (`aux_loss_weights`); empty for a dense, unrouted model."""
+    every MoE visit of the pass, model/moe.py); "mor_balance", "mor_z" (token choice) or "mor_aux",
+    "mor_z" (expert choice, when a round chose; model/recursions.py). The trainer weighs each by its
+    recipe coefficient (`aux_loss_weights`); empty for a dense, unrouted model."""
     routed_depth: Tensor | None = None
     """Mixture-of-Recursions: (B, T) the depth the router chose for each token (rounds_used is what ran:
     the same, except under warm-up's full depth or a shorter `rounds`)."""

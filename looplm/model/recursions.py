@@ -1,6 +1,6 @@
-"""Mixture-of-Recursions, token choice (`model.mor = "token_choice"`): a depth per token, chosen up front.
+"""Mixture-of-Recursions (`model.mor`): how many rounds each token runs, decided by a router.
 
-A linear router on the token's prelude output e picks, for each token, how many of the R
+Token choice (`"token_choice"`): a depth per token, chosen up front. A linear router on the token's prelude output e picks, for each token, how many of the R
 recursions (rounds) it runs — top-1 over R depths — and the probability of that choice scales
 every update the token receives:
 
@@ -13,6 +13,13 @@ every update the token receives:
 The router reads only the token itself, so the decision is causal at decode time: the cached
 engine routes each generated token exactly as training did (`ExitController` with the "routed"
 policy). Warm-up (`train.mor_warmup_steps`) sends every token to full depth with w = 1: the plain loop.
+
+Expert choice (`"expert_choice"`, `LoopedLM.expert_choice`): at round r a router on the state entering
+it keeps, in training, the top ceil(capacity_r * T) of each sequence's tokens still running
+(`select_top`, nested sets), alpha * sigmoid(score) scaling their updates. A top-k over the
+sequence reads the future, so at inference (the engine, and the forward in eval mode) a token
+continues while a causal decision logit is > 0 — the router's own or an auxiliary router's on the
+detached state — trained towards the top-k choice by BCE ("mor_aux", `expert_choice_losses`).
 
 Which earlier tokens a round's attention sees is the *cache rule* (`model.mor_cache`); it changes
 the function being trained, so it is a recipe field recorded on the card, and training (a mask
@@ -80,12 +87,12 @@ def select_top(scores: Tensor, kept: Tensor, capacity: float) -> Tensor:
 
 
 def expert_choice_losses(records: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
-    """records: per round after the first, (decision logits (B, T), selected (B, T), candidates (B, T)).
+    """records: per round after the first, (decision logits (B, T), selected (B, T), candidates (B, T));
+    empty when no round chose (then no loss and no record of one).
     "mor_aux": BCE of the decision logits against the selection, over each round's candidates (what
     makes the causal threshold reproduce the top-k); "mor_z": mean squared logit (keeps them small)."""
-    if not records:
-        zero = torch.zeros(())
-        return {"mor_aux": zero, "mor_z": zero}
+    if not records:           # one round, or warm-up at capacity 1: nothing was chosen
+        return {}
     import torch.nn.functional as F
     aux = [F.binary_cross_entropy_with_logits(lg[cand], sel[cand].to(lg.dtype)) for lg, sel, cand in records]
     z = [lg[cand].pow(2).mean() for lg, _, cand in records]

@@ -172,8 +172,9 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         G = recipe.train.batch_size
         noise = {"initial_state": model.random_state((G, *x.shape[1:], recipe.model.d_model), gen,
                                                      torch.float32, device)[rows]}
-    if recipe.model.mor != "none":   # Mixture-of-Recursions warm-up: every token at full depth, weight 1
-        noise["full_depth"] = step < recipe.train.mor_warmup_steps
+    warmup = recipe.model.mor != "none" and step < recipe.train.mor_warmup_steps
+    if recipe.model.mor != "none":   # Mixture-of-Recursions warm-up: every token at full depth (capacity 1)
+        noise = {**noise, "full_depth": warmup}
     with autocast(device, recipe.train.dtype):
         out = (model if forward is None else forward)(x, rounds, backward_window=window, readout_rounds=place.rounds,
                                                       collect_stats=collect_stats, **noise)
@@ -187,7 +188,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
                 info = {**info, **{k: v.item() for k, v in out.aux_losses.items()}}
             if out.routed_depth is not None:
                 info["mor_mean_depth"] = out.routed_depth.float().mean().item()
-                info["mor_full_depth"] = bool(noise.get("full_depth"))
+                info["mor_full_depth"] = warmup
     if world.size > 1:
         # each process's loss is a mean over its own tokens; weighted by its share of the global
         # batch's scored tokens, the processes' gradients sum (DDP/FSDP average) to the global mean's
