@@ -72,6 +72,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
+    if run.recipe.data.task and args.batch_size is not None:
+        raise UserError("--batch-size regroups a language-model run's validation windows; a task run is scored "
+                        "example by example")
     if run.recipe.data.task:  # task runs: answer-token loss and exact-match accuracy (--data: a JSONL file)
         if args.cache_sweep:
             raise UserError("--cache-sweep scores language-modelling text, and a task run has none (its --data is "
@@ -317,7 +320,11 @@ def cmd_lens(args: argparse.Namespace) -> int:
         rounds = args.rounds
     if args.baseline:  # the seeds' comparison: loop boundaries vs an untied stack's intermediate layers
         from .evaluation.lens import compare_command
-        table, text = compare_command(run, load_run(args.baseline, device=args.device), rounds, args.data)
+        base = load_run(args.baseline, device=args.device)
+        if base.recipe.model.mor != "none":
+            raise UserError(f"--baseline {args.baseline}: a Mixture-of-Recursions run; the lens does not yet "
+                            "follow routed depths")
+        table, text = compare_command(run, base, rounds, args.data)
     else:
         table, text = lens_command(run, rounds, args.data)
     _emit(table, args.json, text)

@@ -462,3 +462,9 @@ def test_eval_data_on_a_task_run_refuses_bad_input(task_run, tmp_path, capsys, n
     assert code == 2 and out == ""
     assert str(path) in err and all(w in err for w in words) and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_eval_batch_size_on_a_task_run_is_refused_not_ignored(task_run, capsys):
+    assert main(["eval", str(task_run[0]), "--batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size" in err and len(err.strip().splitlines()) == 1
