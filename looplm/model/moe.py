@@ -85,14 +85,24 @@ class MoEFFN(nn.Module):
         return out.view(shape)
 
 
+def load_balance(choices: Tensor, probs: Tensor) -> Tensor:
+    """Switch's load-balance loss n * sum_i f_i P_i over n options (experts, or a router's depths):
+    f_i the share of `choices` (any shape, values 0..n-1) that went to i, P_i the mean of probs
+    (..., n) for i. 1 when the choices and the probabilities are even; n when all go to one."""
+    n = probs.shape[-1]
+    f = torch.bincount(choices.flatten(), minlength=n).float() / choices.numel()      # (n,) no gradient
+    return n * (f * probs.reshape(-1, n).mean(0)).sum()
+
+
+def z_loss(logits: Tensor) -> Tensor:
+    """Router z-loss: mean over rows of logsumexp(logits)^2 (keeps the logits small)."""
+    return torch.logsumexp(logits, -1).pow(2).mean()
+
+
 def moe_losses(records: list[Routing], n_experts: int) -> dict[str, Tensor]:
     """{"balance", "z"}: the two auxiliary losses averaged over `records` (every MoE call of a pass)."""
-    balance, z = [], []
-    for rec in records:
-        f = torch.bincount(rec.experts.flatten(), minlength=n_experts).float() / rec.experts.numel()  # (E,)
-        balance.append(n_experts * (f.detach() * rec.probs.mean(0)).sum())
-        z.append(torch.logsumexp(rec.logits, -1).pow(2).mean())
-    return {"balance": torch.stack(balance).mean(), "z": torch.stack(z).mean()}
+    return {"balance": torch.stack([load_balance(rec.experts, rec.probs) for rec in records]).mean(),
+            "z": torch.stack([z_loss(rec.logits) for rec in records]).mean()}
 
 
 def routing_stats(visits: list[Tensor], n_experts: int) -> dict:

@@ -58,10 +58,10 @@ def route(router: torch.nn.Linear, bias: Tensor, e: Tensor) -> tuple[Tensor, Ten
 
 
 def mor_losses(depth: Tensor, logits: Tensor) -> dict[str, Tensor]:
-    R = logits.shape[-1]
-    f = torch.bincount((depth - 1).flatten(), minlength=R).float() / depth.numel()
-    p = logits.softmax(-1).reshape(-1, R).mean(0)
-    return {"mor_balance": R * (f * p).sum(), "mor_z": torch.logsumexp(logits, -1).pow(2).mean()}
+    """Token choice: the depth-balance loss (the experts' load balance with depths as the options)
+    and the router z-loss."""
+    from .moe import load_balance, z_loss
+    return {"mor_balance": load_balance(depth - 1, logits.softmax(-1)), "mor_z": z_loss(logits)}
 
 
 def depth_counts(depth: Tensor, R: int) -> Tensor:
