@@ -19,6 +19,7 @@ import resource
 import sys
 import time
 
+from looplm.memory import process_peak_rss_bytes
 from looplm.recipe.config import load_recipe, parse_override
 from looplm.experiments.extrapolate import run_extrapolate
 from looplm.evaluation.tasks import markdown_table
@@ -46,7 +47,7 @@ def main() -> int:
             "accuracy_by_rounds": row, "target": 0.9, "met": best >= 0.9,
             "wall_time_s": wall, "cpu_time_s": cpu, "cpu_count": os.cpu_count(),
             "torch_threads": recipe.train.threads, "load_average": os.getloadavg(),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": process_peak_rss_bytes(),   # every model's training, not the last run's alone
             "out": args.out, "train_rounds_max": rmax}
     print("\n" + json.dumps(goal, indent=2))
     return 0

@@ -1,23 +1,31 @@
 """`looplm check RUN`: the seeds' "checks before claiming a saving", run against a trained model.
 
-Each check recomputes something on the run's model and compares: a future-token perturbation
-must not change earlier predictions; the shared core must be one set of tensors (and the
-optimizer must see each once); the looped model must equal an untied stack of copies; the
-state must stay finite and stop growing past the trained depth; the FLOP count must grow with
-every visit; autograd must deliver gradient to exactly the rounds the backward window names
-(and the trainer's record must say the same); exit masses must sum to 1 with a forced last
-exit; token-passes must add up.
+Records must equal reality, so a check never restates the trainer's arithmetic: each compares with
+a computation of its own and says how it knows (CheckResult.kind).
+
+measured  against an independent computation on the run's model and data: a future-token
+          perturbation must not change earlier predictions; the shared core must be one set of
+          tensors (the optimizer seeing each once); the looped model must equal an untied stack of
+          copies; the state must stay finite and stop growing past the trained depth; PyTorch's FLOP
+          counter must see every visit the trainer counts; autograd must deliver gradient to exactly
+          the rounds the backward window names, and over the depths the run trained imply the
+          backward_histogram it records; the library's exit masses must equal the hazard recurrence
+          written out by hand; the run's data replayed micro-batch by micro-batch must add up to the
+          tokens, token-passes and depths it records; caches, early exit, routing, engine resets and
+          the start state against the plain forward pass or a recomputation.
+record    the run's records consistent with each other (the per-round telemetry of metrics.jsonl).
 
 A check has three outcomes: passed, failed, or not applicable (the property does not exist
-in this run, e.g. exit masses without an exit gate). Not applicable is never counted as
-passed; only a failed check makes `looplm check` exit 1.
+in this run, e.g. exit masses without an exit gate; its kind is then "not_applicable"). Not
+applicable is never counted as passed; only a failed check makes `looplm check` exit 1.
 """
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -25,6 +33,9 @@ from .runs.checkpoint import Run
 from .model.looped import LoopedLM, untied_copy
 
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "not applicable"
+MEASURED, RECORD, NO_KIND = "measured", "record", "not_applicable"
+"""How a check knows (CheckResult.kind): MEASURED compares against an independent computation on the
+run's model and data; RECORD compares the run's records with each other; NO_KIND: it does not apply."""
 
 STATE_GROWTH_LIMIT = 1.25
 """Largest allowed rms(state at 2x the trained max depth) / rms(state at the trained max depth).
@@ -41,10 +52,17 @@ class CheckResult:
     passed: bool | None
     """True / False; None when the check does not apply to this run (never counted as passed)."""
     detail: str
+    kind: str = ""
+    """MEASURED or RECORD, said by every check that ran (no default: a check must say how it knows);
+    NO_KIND exactly when passed is None."""
 
     def __post_init__(self) -> None:
-        if self.passed is not None:
-            self.passed = bool(self.passed)
+        if self.passed is None:
+            self.kind = NO_KIND
+            return
+        self.passed = bool(self.passed)
+        if self.kind not in (MEASURED, RECORD):
+            raise ValueError(f"check {self.name}: kind must be {MEASURED!r} or {RECORD!r}, got {self.kind!r}")
 
     @classmethod
     def not_applicable(cls, name: str, why: str) -> "CheckResult":
@@ -55,7 +73,8 @@ class CheckResult:
         return NOT_APPLICABLE if self.passed is None else PASS if self.passed else FAIL
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "status": self.status, "passed": self.passed, "detail": self.detail}
+        return {"name": self.name, "status": self.status, "passed": self.passed, "kind": self.kind,
+                "detail": self.detail}
 
 
 def _sample_ids(run: Run, T: int, seed: int = 0) -> torch.Tensor:
@@ -83,7 +102,7 @@ def check_causality(run: Run) -> CheckResult:
         worst = max(worst, (a[:, :t + 1] - b[:, :t + 1]).abs().max().item())
     return CheckResult("causality", worst <= 1e-5,
                        f"max change of logits at positions <= {t} after changing later tokens: {worst:.2e} "
-                       f"(rounds {rounds_list})")
+                       f"(rounds {rounds_list})", MEASURED)
 
 
 def check_shared_parameters(run: Run) -> CheckResult:
@@ -96,7 +115,7 @@ def check_shared_parameters(run: Run) -> CheckResult:
     ok = len(ids) == len(set(ids)) and in_opt == stored
     return CheckResult("shared_parameters_once", ok,
                        f"{len(model.core)} core blocks stored; optimizer holds {in_opt:,} parameters, "
-                       f"stored {stored:,}; duplicates: {len(ids) - len(set(ids))}")
+                       f"stored {stored:,}; duplicates: {len(ids) - len(set(ids))}", MEASURED)
 
 
 @torch.no_grad()
@@ -110,7 +129,8 @@ def check_untied_parity(run: Run) -> CheckResult:
     idx = _sample_ids(run, min(24, recipe.model.context))
     diff = (_logits(run.model, idx, R) - _logits(untied, idx, R)).abs().max().item()
     return CheckResult("looped_equals_untied_copies", diff <= 1e-4,
-                       f"max |logit difference| vs an untied stack of {K * R} copied blocks at {R} rounds: {diff:.2e}")
+                       f"max |logit difference| vs an untied stack of {K * R} copied blocks at {R} rounds: {diff:.2e}",
+                       MEASURED)
 
 
 @torch.no_grad()
@@ -141,7 +161,7 @@ def check_state_stability(run: Run) -> CheckResult:
                        f"round {trained} {at_trained:.3g}, round {R} {last:.3g}, max {max(rms):.3g}; "
                        f"growth past the trained depth {growth:.3g}x ({per_round:.3g}x per round; "
                        f"limit {STATE_GROWTH_LIMIT}x); growth over the trained depths (information) {within:.3g}x"
-                       + ("" if finite else "; NON-FINITE state or logits"))
+                       + ("" if finite else "; NON-FINITE state or logits"), MEASURED)
 
 
 def check_flops_count_every_visit(run: Run) -> CheckResult:
@@ -170,7 +190,7 @@ def check_flops_count_every_visit(run: Run) -> CheckResult:
     return CheckResult("flops_count_every_visit", ok,
                        f"one training step at {R} rounds: products counted {counted:.4e} FLOPs, PyTorch's counter "
                        f"measured {measured:.4e} (visits: {v.rounds} rounds, {v.grad_rounds} in the backward, "
-                       f"{v.readouts} readouts, prelude gradient {v.prelude_grad})")
+                       f"{v.readouts} readouts, prelude gradient {v.prelude_grad})", MEASURED)
 
 
 def _training_supervision(recipe, rounds: int):
@@ -238,43 +258,65 @@ def check_backward_window_measured(run: Run) -> CheckResult:
     return CheckResult("backward_window_measured", ok,
                        f"rounds whose output state received nonzero gradient in one training step "
                        f"(window {recipe.backward.window}, supervision {recipe.supervision.kind}{stage2}): "
-                       + "; ".join(parts))
+                       + "; ".join(parts), MEASURED)
 
 
 def check_backward_window(run: Run) -> CheckResult:
-    """The record being checked (not the proof; that is backward_window_measured): report.json's
-    backward_histogram must respect the window given the sampled depths."""
+    """The record against autograd: for every depth the run trained at (report.json's depth_histogram),
+    one tiny training step measures which rounds receive gradient (measured_grad_rounds); counted over
+    the depth histogram, those give the backward_histogram autograd implies, which must be the one
+    report.json records."""
     name = "backward_window_recorded"
     hist = {int(k): v for k, v in run.report.get("backward_histogram", {}).items()}
     depth = {int(k): v for k, v in run.report.get("depth_histogram", {}).items()}
     if not hist or not depth:
-        return CheckResult(name, False, "report.json lacks backward_histogram or depth_histogram")
-    window = run.recipe.backward.window
-    limit = max(depth) if window == "all" else window
-    # what the histogram must be, given the sampled depths, if every step of depth R back-propagated
-    # the window's rounds for R
-    implied: dict[int, int] = {}
-    for r, n in depth.items():
-        k = len(_window_rounds(run.recipe, r))
-        implied[k] = implied.get(k, 0) + n
-    ok = max(hist) <= limit and hist == implied
-    return CheckResult(name, ok,
-                       f"record: gradient-visible rounds {dict(sorted(hist.items()))} (window {window}; every key "
-                       f"must be <= {limit}); sampled depths {dict(sorted(depth.items()))} imply "
-                       f"{dict(sorted(implied.items()))}")
+        return CheckResult(name, False, "report.json lacks backward_histogram or depth_histogram", MEASURED)
+    x = _sample_ids(run, min(8, run.model.cfg.context) + 1)          # (2, 9): a few tokens per depth
+    reached = {R: measured_grad_rounds(run.model, run.recipe, x, R)[0] for R in sorted(depth)}
+    implied: Counter = Counter()
+    for R, n in depth.items():             # each micro-batch of depth R back-propagates what autograd reached at R
+        implied[len(reached[R])] += n
+    implied = dict(sorted(implied.items()))
+    return CheckResult(name, hist == implied,
+                       f"autograd reaches, by trained depth (window {run.recipe.backward.window}): "
+                       + ", ".join(f"R={R}: {list(r)}" for R, r in reached.items())
+                       + f"; over depth_histogram {dict(sorted(depth.items()))} that implies backward_histogram "
+                       f"{implied}; report.json records {dict(sorted(hist.items()))}", MEASURED)
+
+
+def _masses_by_hand(hazards: list[float]) -> list[float]:
+    """One token's exit masses, in Python floats: round r exits with h_r times the chance that no
+    earlier round did; the last round takes whatever is left (forced exit), its own hazard unread."""
+    masses, survive = [], 1.0
+    for h in hazards[:-1]:
+        masses.append(h * survive)
+        survive *= 1.0 - h
+    return masses + [survive]
 
 
 @torch.no_grad()
 def check_exit_masses(run: Run) -> CheckResult:
+    """The library's hazards_to_masses against the recurrence written out by hand, in float64, on the
+    hazards the run's gate gives in a forward pass at the trained max depth: equal element by element,
+    summing to 1, non-negative, the last round's mass the survival left after the others."""
+    name = "exit_masses_conserved"
     if run.model.gate is None:
-        return CheckResult.not_applicable("exit_masses_conserved", "the model has no exit gate")
+        return CheckResult.not_applicable(name, "the model has no exit gate")
     from .halting import hazards_to_masses
     R = run.recipe.depth.max_rounds
-    out = run.model(_sample_ids(run, 16), R)
-    masses = hazards_to_masses(out.hazards)
-    err = (masses.sum(-1) - 1).abs().max().item()
-    return CheckResult("exit_masses_conserved", err <= 1e-5 and (masses >= 0).all().item(),
-                       f"max |sum of exit masses - 1| = {err:.1e} over {R} rounds; last round takes the remainder")
+    h = run.model(_sample_ids(run, 16), R).hazards                    # (B, T, R)
+    lib = hazards_to_masses(h).double()                               # (B, T, R)
+    hand = torch.tensor([_masses_by_hand(row) for row in h.double().reshape(-1, R).tolist()],
+                        dtype=torch.float64).reshape(lib.shape)       # (B, T, R)
+    diff = (lib - hand).abs().max().item()
+    last = (lib[..., -1] - hand[..., -1]).abs().max().item()
+    total = (lib.sum(-1) - 1).abs().max().item()
+    low = lib.min().item()
+    ok = diff <= 1e-5 and total <= 1e-5 and low >= 0
+    return CheckResult(name, ok,
+                       f"{h.shape[0] * h.shape[1]} tokens x {R} rounds of the gate's hazards: max |library - hand "
+                       f"recurrence| {diff:.1e} (last round vs the remaining survival {last:.1e}); max |sum - 1| "
+                       f"{total:.1e}; smallest mass {low:.2e}", MEASURED)
 
 
 @torch.no_grad()
@@ -301,7 +343,8 @@ def check_quantile_thresholds(run: Run) -> CheckResult:
     ok = torch.equal(want.to(out.rounds_used.dtype), out.rounds_used)
     return CheckResult(name, ok, f"{text} (min_rounds {policy.min_rounds}) over {out.rounds_used.numel()} tokens: "
                        f"mean exit round {out.rounds_used.float().mean():.2f} of {R}; "
-                       f"{int((want != out.rounds_used).sum())} tokens stop elsewhere than the cumulative mass says")
+                       f"{int((want != out.rounds_used).sum())} tokens stop elsewhere than the cumulative mass says",
+                       MEASURED)
 
 
 def check_cache_policies(run: Run) -> CheckResult:
@@ -328,7 +371,8 @@ def check_cache_policies(run: Run) -> CheckResult:
     parts += [f"decode {p}: {loss('full', p) - full:+.4f}" for p in ("first", "last", "average")]
     return CheckResult(name, abs(full - ref) <= 1e-4,
                        f"full cache {full:.4f} vs plain forward {ref:.4f} at {R} rounds; loss change of each shared "
-                       "policy (prompt cache with full decode, then decode cache with full prompt): " + ", ".join(parts))
+                       "policy (prompt cache with full decode, then decode cache with full prompt): " + ", ".join(parts),
+                       MEASURED)
 
 
 @torch.no_grad()
@@ -352,7 +396,8 @@ def check_state_dependency(run: Run) -> CheckResult:
     return CheckResult("state_and_dependency", ok,
                        f"round 2 carries a state of width {s1.shape[-1]} (initial state: {m.cfg.init_state}); its output "
                        f"moves by {d_state:.2e} when the incoming state is perturbed and by {d_input:.2e} when the "
-                       f"prelude output is (injection {m.cfg.injection!r}: must {'' if injects else 'not '}depend on it)")
+                       f"prelude output is (injection {m.cfg.injection!r}: must {'' if injects else 'not '}depend on it)",
+                       MEASURED)
 
 
 @torch.no_grad()
@@ -375,20 +420,85 @@ def check_start_state(run: Run) -> CheckResult:
         kind_ok, what = bool(torch.equal(m.initial_state(e), e)), "the prelude's output"
     return CheckResult("start_state", twice == 0.0 and kind_ok,
                        f"init_state {kind!r} ({what}): {'as described' if kind_ok else 'NOT as described'}; "
-                       f"the same input twice in eval mode: max |logit difference| {twice:.1e}")
+                       f"the same input twice in eval mode: max |logit difference| {twice:.1e}", MEASURED)
+
+
+class _MicroBatch(NamedTuple):
+    real: int       # inputs that are data (every one for plain text; a task batch's rows before their padding)
+    padded: int     # inputs including the padding (B x T of the batch as the model ran it)
+    rounds: int     # forward rounds
+
+
+def _replay_text(run: Run, indices: list[tuple[int, int]]) -> tuple[list[_MicroBatch], int]:
+    """Plain text: the run's own token file through its sampler (windows are a function of seed and
+    micro-batch index); depths from the recipe's sampler. Returns (micro-batches, unique tokens)."""
+    from .data.text import TokenSampler, open_tokens
+    from .train.depth import sample_depth
+    r, accum = run.recipe, run.recipe.train.grad_accum
+    sampler = TokenSampler(open_tokens(run.path / "data" / "train.bin"), r.data.seq_len, r.train.batch_size,
+                           r.train.seed)
+    batches = []
+    for step, micro in indices:
+        x, _ = sampler.batch(step * accum + micro)                    # (batch_size, seq_len), no padding
+        batches.append(_MicroBatch(x.numel(), x.numel(), sample_depth(r.depth, r.train.seed, step, micro)))
+    return batches, sampler.unique_tokens()
+
+
+def _replay_task(run: Run, indices: list[tuple[int, int]]) -> tuple[list[_MicroBatch], int]:
+    """Task data: each micro-batch's examples drawn again and tokenized here; a row of n = prompt +
+    answer tokens is n - 1 inputs, padded to the batch's longest row; depths from the batch's own
+    plan (data.depth_by_difficulty) or the recipe's sampler. Returns (micro-batches, unique tokens of
+    the distinct examples)."""
+    from .data.taskdata import TaskSampler, TaskSource, format_for_training
+    from .train.depth import sample_depth
+    r, accum, tok = run.recipe, run.recipe.train.grad_accum, run.tokenizer
+    sampler = TaskSampler(TaskSource(r), tok, r)
+    distinct: dict[tuple[str, str], int] = {}
+    batches = []
+    for step, micro in indices:
+        index = step * accum + micro
+        examples = sampler.examples(index)
+        n = [sum(len(tok.encode(t)) for t in format_for_training(ex, r.data.separator)) for ex in examples]
+        distinct.update(((ex.prompt, ex.answer), k) for ex, k in zip(examples, n))
+        rounds = (sampler.depth_plan(examples[0].difficulty, index)[0] if r.data.depth_by_difficulty
+                  else sample_depth(r.depth, r.train.seed, step, micro))
+        batches.append(_MicroBatch(sum(n) - len(n), len(n) * (max(n) - 1), rounds))
+    return batches, sum(distinct.values())
 
 
 def check_token_accounting(run: Run) -> CheckResult:
+    """The record against a replay of the run's data: every micro-batch the recipe trained (train.steps x
+    grad_accum, a resumed run's included: its counters resume with it) is drawn again, its real
+    (non-padding) inputs and inputs x rounds counted here, and the sums must be report.json's
+    tokens_seen and token_passes; the depths, its depth_histogram; the distinct tokens, its
+    unique_tokens (<= train_data_tokens). A stage-II or --init run counts only its own steps, as its
+    trainer does (its counters start at zero)."""
+    from .errors import UserError
+    name = "tokens_vs_token_passes"
     r = run.report
-    if "token_passes" not in r:
-        return CheckResult("tokens_vs_token_passes", False, "report.json lacks token_passes")
-    depth = {int(k): v for k, v in r["depth_histogram"].items()}
-    per_micro = r["tokens_seen"] // max(1, sum(depth.values()))
-    expected = sum(k * v for k, v in depth.items()) * per_micro
-    ok = r["token_passes"] == expected and r["unique_tokens"] <= r["train_data_tokens"]
-    return CheckResult("tokens_vs_token_passes", ok,
-                       f"unique tokens {r['unique_tokens']:,}; tokens consumed {r['tokens_seen']:,}; "
-                       f"token-passes {r['token_passes']:,} (= sum of sampled rounds x tokens per micro-batch: {expected:,})")
+    missing = [k for k in ("tokens_seen", "token_passes", "unique_tokens", "train_data_tokens", "depth_histogram")
+               if k not in r]
+    if missing:
+        return CheckResult(name, False, f"report.json lacks {', '.join(missing)}", MEASURED)
+    indices = [(step, micro) for step in range(run.recipe.train.steps) for micro in range(run.recipe.train.grad_accum)]
+    try:
+        batches, unique = (_replay_task if run.recipe.data.task else _replay_text)(run, indices)
+    except UserError as err:
+        return CheckResult(name, False, f"cannot replay the run's training data: {err}", MEASURED)
+    tokens, passes = sum(b.real for b in batches), sum(b.real * b.rounds for b in batches)
+    padding = sum(b.padded for b in batches) - tokens
+    padded_passes = sum(b.padded * b.rounds for b in batches)
+    depths = {str(k): v for k, v in sorted(Counter(b.rounds for b in batches).items())}
+    ok = (r["tokens_seen"] == tokens and r["token_passes"] == passes and r["depth_histogram"] == depths
+          and r["unique_tokens"] == unique and unique <= r["train_data_tokens"])
+    stale = (" (that counts the padding: the report predates the trainer leaving padding out)"
+             if padding and r["token_passes"] == padded_passes else "")
+    return CheckResult(name, ok,
+                       f"replayed {len(batches)} micro-batches: {tokens:,} tokens ({padding:,} padding left out), "
+                       f"{passes:,} token-passes, depths {depths}, {unique:,} unique tokens; "
+                       f"report.json: tokens_seen {r['tokens_seen']:,}, token_passes {r['token_passes']:,}{stale}, "
+                       f"depth_histogram {r['depth_histogram']}, unique_tokens {r['unique_tokens']:,} "
+                       f"(train_data_tokens {r['train_data_tokens']:,})", MEASURED)
 
 
 def check_engine_request_reset(run: Run) -> CheckResult:
@@ -408,7 +518,7 @@ def check_engine_request_reset(run: Run) -> CheckResult:
     again = once(a)
     return CheckResult("engine_request_reset", first == again,
                        f"the same request before and after another: tokens {first[0]} then {again[0]}, "
-                       f"rounds {first[1]} then {again[1]}")
+                       f"rounds {first[1]} then {again[1]}", MEASURED)
 
 
 def check_round_telemetry(run: Run) -> CheckResult:
@@ -419,7 +529,7 @@ def check_round_telemetry(run: Run) -> CheckResult:
     name = "round_telemetry_present"
     path = run.path / "metrics.jsonl"
     if not path.is_file():
-        return CheckResult(name, False, "the run has no metrics.jsonl")
+        return CheckResult(name, False, "the run has no metrics.jsonl", RECORD)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     bad = []
     for r in rows:
@@ -437,7 +547,7 @@ def check_round_telemetry(run: Run) -> CheckResult:
             bad.append(f"step {r['step']}: gradient RMS present before the backward window or missing inside it")
     return CheckResult(name, bool(rows) and not bad,
                        f"{len(rows)} logged steps, each with state, update and gradient RMS per round"
-                       if not bad else "; ".join(bad[:3]))
+                       if not bad else "; ".join(bad[:3]), RECORD)
 
 
 @torch.no_grad()
@@ -465,7 +575,7 @@ def check_routed_decode(run: Run) -> CheckResult:
     return CheckResult(name, same and worst <= 1e-3,
                        f"{len(depths)} tokens decoded one at a time under the {m.cfg.mor_cache} cache rule: depths "
                        f"{'equal' if same else 'DIFFER from'} the forward pass's (mean {sum(depths) / len(depths):.2f}); "
-                       f"max |logit difference| {worst:.2e}")
+                       f"max |logit difference| {worst:.2e}", MEASURED)
 
 
 CHECKS: list[Callable[[Run], CheckResult]] = [

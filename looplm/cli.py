@@ -296,7 +296,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     results = run_checks(load_run(args.run, device=args.device))
     label = {PASS: "PASS", FAIL: "FAIL", NOT_APPLICABLE: "N/A "}
     count = {s: sum(c.status == s for c in results) for s in (PASS, FAIL, NOT_APPLICABLE)}
-    lines = [f"{label[c.status]}  {c.name}: {c.detail}" for c in results]
+    lines = [f"{label[c.status]}  {c.name} [{c.kind}]: {c.detail}" for c in results]   # kind: how it knows
     lines.append(f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_APPLICABLE]} not applicable")
     summary = {"passed": count[PASS], "failed": count[FAIL], "not_applicable": count[NOT_APPLICABLE]}
     _emit({"checks": [c.to_dict() for c in results], "summary": summary}, args.json, "\n".join(lines))

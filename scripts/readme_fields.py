@@ -19,8 +19,9 @@ PATH = Path(__file__).parent.parent / "docs" / "recipe.md"
 def tables() -> str:
     rows = []
     for section, fields in field_docs().items():
-        rows.append(f"\n### `[{section}]`\n\n| field | default | allowed values and meaning |\n|---|---|---|")
-        rows += [f"| `{section}.{name}` | `{default}` | {doc.replace('|', '/')} |" for name, default, doc in fields]
+        rows.append(f"\n### `[{section}]`\n\n| field | default | allowed values and meaning | applies when |\n|---|---|---|---|")
+        rows += [f"| `{section}.{name}` | `{default}` | {doc.replace('|', '/')} | {when.replace('|', '/')} |"
+                 for name, default, doc, when in fields]
     return "\n".join(rows) + "\n"
 
 

@@ -31,19 +31,46 @@ def greedy_by_full_forward(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
+@torch.no_grad()
+def answer_scores(model, tok, examples, rounds: int, separator: bool) -> tuple[float, float]:
+    """(exact match, mean answer-token loss) over task examples, scored one example at a time (no
+    padding): the logits from the last prompt position on must predict the answer and its newline.
+    A model without rounds (the LSTM) returns its logits directly; a looped one runs `rounds` rounds."""
+    from looplm.data.tasks import ANSWER_END, SEPARATOR
+    from looplm.model.lstm import LSTMLM
+    hits, loss, tokens = 0, 0.0, 0
+    for ex in examples:
+        p = tok.encode(ex.prompt + (SEPARATOR if separator else ""))
+        a = torch.tensor(tok.encode(ex.answer + ANSWER_END))
+        x = torch.tensor([p + a.tolist()[:-1]])
+        out = model(x) if isinstance(model, LSTMLM) else model(x, rounds).logits
+        logits = out[0, len(p) - 1:]
+        hits += int(torch.equal(logits.argmax(-1), a))
+        loss += torch.nn.functional.cross_entropy(logits, a, reduction="sum").item()
+        tokens += len(a)
+    return hits / len(examples), loss / tokens
+
+
 def tiny_recipe(**overrides):
-    return looplm.load_recipe("quickstart", overrides={**TINY, **overrides})
+    merged = {**TINY, **overrides}
+    if merged.get("data.task"):       # task data is as long as its prompts: no data.seq_len
+        merged.pop("data.seq_len")
+    return looplm.load_recipe("quickstart", overrides=merged)
 
 
-@pytest.fixture
-def text_dir(tmp_path):
-    """A folder of a few small text documents (stand-in corpus)."""
-    d = tmp_path / "corpus"
+def write_corpus(d):
+    """A folder of a few small text documents (stand-in corpus) at d, created here."""
     d.mkdir()
     for i in range(6):
         body = "\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # line {j}" for j in range(60))
         (d / f"doc{i}.py").write_text(body)
     return d
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    """A folder of a few small text documents (stand-in corpus)."""
+    return write_corpus(tmp_path / "corpus")
 
 
 @pytest.fixture(autouse=True)

@@ -41,7 +41,8 @@ R = 4
 def tiny_model(**overrides):
     """A tiny model with prelude, coda, random initial state and a gate; weights a bit larger than
     the default init so successive rounds differ clearly (KL well above rounding noise)."""
-    rec = tiny_recipe(**{"depth.rounds": R, "exit.gate": True, "model.init_std": 0.1, **overrides})
+    rec = tiny_recipe(**{"depth.rounds": R, "exit.gate": True, "supervision.kind": "learned_exit", "model.init_std": 0.1,
+                         **overrides})
     return looplm.build_model(rec).eval()
 
 

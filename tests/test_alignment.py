@@ -32,7 +32,9 @@ def test_ratio_is_one_for_orthogonal_and_R_for_identical_visits(R):
 
 
 def test_measured_visits_sum_to_the_shared_gradient():
-    recipe = looplm.load_recipe("quickstart", TINY)
+    # a larger initialisation than the default's, whose nearly-identity core makes the visits' gradients
+    # nearly identical (ratio ~ R): here they differ, and the ratio lies well inside (1, R)
+    recipe = looplm.load_recipe("quickstart", {**TINY, "model.init_std": 0.3})
     torch.manual_seed(0)
     model = looplm.build_model(recipe).train()
     x = torch.randint(0, 257, (2, 16))
@@ -44,14 +46,25 @@ def test_measured_visits_sum_to_the_shared_gradient():
         for n, p in block.named_parameters():
             total = sum(v[f"core.{i}.{n}"] for v in visits)
             torch.testing.assert_close(total, p.grad, rtol=1e-5, atol=1e-8)
+    # the ratio by hand: the shared gradient's squared norm (the model's own .grad, not the visits' sum)
+    # over the visits' summed squared norms; the cosines from the flattened visits
     stats = alignment_stats(visits)
-    assert 0.0 < stats["ratio"] < len(visits) + 1e-9
+    shared = sum(p.grad.double().pow(2).sum().item() for p in model.core.parameters())
+    flat = [torch.cat([g.double().flatten() for g in v.values()]) for v in visits]
+    assert stats["ratio"] == pytest.approx(shared / sum(f.pow(2).sum().item() for f in flat), rel=1e-6)
+    cos = [(a @ b / (a.norm() * b.norm())).item() for i, a in enumerate(flat) for b in flat[i + 1:]]
+    assert stats["mean_pairwise_cosine"] == pytest.approx(sum(cos) / 3, rel=1e-9)
+    assert stats["visit_norms"] == pytest.approx([f.norm().item() for f in flat], rel=1e-12)
+    q = model.core[1].attn.q.weight.grad.double()
+    assert stats["per_tensor"]["core.1.attn.q.weight"] == pytest.approx(
+        q.pow(2).sum().item() / sum(v["core.1.attn.q.weight"].double().pow(2).sum().item() for v in visits), rel=1e-6)
 
 
 def test_trainer_logs_alignment_when_asked(tmp_path):
     over = {**TINY, "train.steps": 4, "train.log_every": 10, "train.alignment_every": 2, "train.eval_batches": 1,
             "data.max_bytes": 30_000, "depth.kind": "lognormal_poisson", "depth.mean": 3}
-    train(looplm.load_recipe("quickstart", over), tmp_path / "run", quiet=True)
+    recipe = looplm.load_recipe("quickstart", over)
+    train(recipe, tmp_path / "run", quiet=True)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r.get("alignment") for r in rows}
     assert set(logged) >= {0, 2, 3} and logged[0] and logged[2] and logged[3] is None
@@ -59,6 +72,16 @@ def test_trainer_logs_alignment_when_asked(tmp_path):
         a = logged[step]
         assert a["rounds_with_gradient"] == list(range(max(1, a["rounds"] - 2), a["rounds"] + 1))
         assert a["visits"] == len(a["rounds_with_gradient"])
+    # step 0 again, by hand: the initial weights, the first batch, the logged depth. The ratio's numerator
+    # is the shared core's own gradient there (measured before the optimizer step), its denominator the
+    # logged visits' squared norms
+    from looplm.data.text import TokenSampler, open_tokens
+    torch.manual_seed(recipe.train.seed)
+    model = looplm.build_model(recipe).train()
+    x, y = TokenSampler(open_tokens(tmp_path / "run" / "data" / "train.bin"), 16, 2, recipe.train.seed).batch(0)
+    train_step(model, recipe, x, y, 0, 0, Counters(), rounds=logged[0]["rounds"])
+    shared = sum(p.grad.double().pow(2).sum().item() for p in model.core.parameters())
+    assert logged[0]["ratio"] == pytest.approx(shared / sum(n * n for n in logged[0]["visit_norms"]), rel=1e-5)
 
 
 def test_alignment_refused_where_it_cannot_be_measured():

@@ -12,7 +12,8 @@ import looplm
 import looplm.model.looped as model_mod
 from looplm.runs.checkpoint import Run
 from looplm.checks import (STATE_GROWTH_LIMIT, check_backward_window, check_backward_window_measured, check_causality,
-                           check_state_stability, check_untied_parity, measured_grad_rounds)
+                           check_exit_masses, check_state_stability, check_token_accounting, check_untied_parity,
+                           measured_grad_rounds)
 from looplm.cli import main
 from looplm.model.looped import build_model
 from looplm.train.trainer import train
@@ -21,13 +22,16 @@ from conftest import tiny_recipe
 
 NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved", "quantile_exit_matches_cumulative_mass",
                                "routed_decode_matches_training"}
+RECORD_CHECKS = {"round_telemetry_present"}  # every other check that runs measures
 NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth",
                          "quantile_exit_matches_cumulative_mass", "routed_decode_matches_training"}
 
 
 def make_run(tmp_path, text_dir, name="run", **overrides):
-    rec = tiny_recipe(**{"data.path": str(text_dir), "depth.kind": "uniform", "depth.min": 1, "depth.max": 3,
-                         "depth.rounds": 2, "backward.window": 2, **overrides})
+    from looplm.recipe.config import derive_recipe
+    base = tiny_recipe(**{"data.path": str(text_dir), "depth.kind": "uniform", "depth.min": 1, "depth.max": 3,
+                          "depth.rounds": 2, "backward.window": 2})
+    rec = derive_recipe(base.to_dict(), overrides)     # an override of depth.kind resets depth.min/max
     train(rec, tmp_path / name, quiet=True)
     return tmp_path / name
 
@@ -58,11 +62,18 @@ def test_checks_pass_on_a_trained_run(tmp_path, text_dir, capsys):
         else:
             assert c["status"] == "pass" and c["passed"] is True, c
     assert '"passed": null' in raw                        # JSON null, not false or a string
+    for name, c in checks.items():                        # every row says how it knows
+        assert c["kind"] == ("not_applicable" if c["passed"] is None else
+                             "record" if name in RECORD_CHECKS else "measured"), c
+    for name in ("tokens_vs_token_passes", "backward_window_recorded"):
+        assert checks[name]["kind"] == "measured", checks[name]
     na = len(NOT_APPLICABLE_WITHOUT_GATE)
     assert json.loads(raw)["summary"] == {"passed": len(checks) - na, "failed": 0, "not_applicable": na}
     assert main(["check", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines if "exit_masses_conserved" in ln] == ["N/A"]
+    assert any(ln.startswith("PASS  tokens_vs_token_passes [measured]: ") for ln in lines)
+    assert any(ln.startswith("PASS  round_telemetry_present [record]: ") for ln in lines)
     assert lines[-1] == f"{len(checks) - na} passed, 0 failed, {na} not applicable"
 
 
@@ -113,10 +124,24 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
     path = make_run(tmp_path, text_dir)
     run = looplm.load_run(path)
 
-    # the record: more gradient-visible rounds than the window of 2
+    # the record: more gradient-visible rounds than autograd reaches under the window of 2
     assert check_backward_window(run).passed
+    recorded = run.report["backward_histogram"]
     run.report["backward_histogram"] = {"3": 6}
     assert check_backward_window(run).status == "fail"
+    run.report["backward_histogram"] = recorded
+
+    # token accounting: a record one micro-batch off the replayed data, or with another depth
+    assert check_token_accounting(run).passed
+    good, one = dict(run.report), 4 * 32                # one micro-batch: batch 4 x seq_len 32, no padding
+    depth3 = {**good["depth_histogram"], "3": good["depth_histogram"]["3"] - 1}
+    depth3["2"] = depth3.get("2", 0) + 1
+    for broken in ({"token_passes": good["token_passes"] - 3 * one}, {"tokens_seen": good["tokens_seen"] + one},
+                   {"depth_histogram": depth3}, {"unique_tokens": good["unique_tokens"] + 1}):
+        run.report.update(broken)
+        result = check_token_accounting(run)
+        assert result.status == "fail", (broken, result.detail)
+        run.report.update(good)
 
     # causality: attention that sees the future
     sdpa = F.scaled_dot_product_attention
@@ -204,6 +229,11 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
         window = check_backward_window_measured(run)
         assert window.status == "fail", window.detail
         assert "R=3: measured [1, 2, 3], recorded [2, 3]" in window.detail
+        # ... and so the backward_histogram (the window's 2 rounds at R=3) is not what autograd implies
+        recorded = check_backward_window(run)
+        assert recorded.status == "fail" and "R=3: [1, 2, 3]" in recorded.detail, recorded.detail
+
+    run.report["backward_histogram"] = {"3": 6}                 # the one failure the CLI reports
 
     (path / "report.json").write_text(json.dumps({**run.report}))
     capsys.readouterr()
@@ -284,7 +314,8 @@ def test_quantile_exit_check_catches_a_controller_off_its_threshold(monkeypatch)
 
     import looplm.evaluation.early_exit as ee
     from looplm.checks import check_quantile_thresholds
-    run = untrained_run(**{"exit.gate": True, "depth.kind": "fixed", "depth.rounds": 4, "model.context": 32})
+    run = untrained_run(**{"exit.gate": True, "supervision.kind": "learned_exit", "depth.kind": "fixed",
+                           "depth.rounds": 4, "model.context": 32})
     with torch.no_grad():                      # hazards spread over rounds, so exits differ by token
         for p in run.model.gate.parameters():
             p.normal_(0, 2.0)
@@ -298,3 +329,61 @@ def test_quantile_exit_check_catches_a_controller_off_its_threshold(monkeypatch)
     broken = check_quantile_thresholds(run)
     assert broken.status == "fail", broken.detail
     assert check_quantile_thresholds(untrained_run()).status == "not applicable"
+
+
+def test_token_accounting_replays_a_resumed_task_run(tmp_path):
+    """Ragged task rows (padding in every batch), depths by difficulty, two micro-batches a step, stopped
+    and resumed: the replay counts what the trainer counts, padding left out; a report counting it fails."""
+    from looplm.data.taskdata import TaskSampler, TaskSource
+    rows = [{"prompt": "a" * n, "answer": "x" * (1 + n % 3), "difficulty": 1 + n % 2} for n in range(1, 25)]
+    data = tmp_path / "ragged.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = looplm.load_recipe("quickstart", overrides={
+        "model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2, "model.context": 128, "model.n_prelude": 1,
+        "model.n_core": 1, "model.n_coda": 0, "depth.kind": "uniform", "depth.min": 1, "depth.max": 3,
+        "depth.rounds": 2, "data.task": str(data), "data.depth_by_difficulty": True, "train.batch_size": 4,
+        "train.grad_accum": 2, "train.steps": 4, "train.checkpoint_every": 2, "train.log_every": 2,
+        "optim.warmup_steps": 2})
+    train(rec, tmp_path / "run", quiet=True, stop_after=2)
+    train(rec, tmp_path / "run", quiet=True, resume=True)
+    run = looplm.load_run(tmp_path / "run")
+    result = check_token_accounting(run)
+    assert result.status == "pass" and result.kind == "measured", result.detail
+    # what counting the padding gives: the batches as the model ran them, B x T each
+    sampler = TaskSampler(TaskSource(run.recipe), run.tokenizer, run.recipe)
+    batches = [sampler.batch(i) for i in range(4 * 2)]
+    padded = {"tokens_seen": sum(x.numel() for x, _, _ in batches),
+              "token_passes": sum(x.numel() * opts["rounds"] for x, _, opts in batches)}
+    assert padded["token_passes"] > run.report["token_passes"]        # the batches really are padded
+    run.report.update(padded)
+    broken = check_token_accounting(run)
+    assert broken.status == "fail" and "counts the padding" in broken.detail, broken.detail
+
+
+def test_exit_masses_against_the_hand_recurrence(monkeypatch):
+    """The library's masses against the recurrence written out by hand; conversions that still sum to 1
+    and stay non-negative (the old identity check passed them) but are wrong must fail."""
+    import looplm.halting as halting
+    run = untrained_run(**{"exit.gate": True, "supervision.kind": "learned_exit", "depth.kind": "fixed",
+                           "depth.rounds": 4})
+    with torch.no_grad():                      # hazards spread over (0, 1), not all near 0.5
+        for p in run.model.gate.parameters():
+            p.normal_(0, 2.0)
+    result = check_exit_masses(run)
+    assert result.status == "pass" and result.kind == "measured", result.detail
+    real = halting.hazards_to_masses
+
+    def own_hazard_last(h):                    # the last round exits by its own hazard, renormalised
+        m = real(h).clone()
+        m[..., -1] *= h[..., -1]
+        return m / m.sum(-1, keepdim=True)
+
+    def survival_after(h):                     # mass_r = h_r x S_r (its own round's survival too)
+        early = (h * torch.cumprod(1 - h, -1))[..., :-1]
+        return torch.cat([early, 1 - early.sum(-1, keepdim=True)], -1)
+    for wrong in (lambda h: h / h.sum(-1, keepdim=True), own_hazard_last, survival_after):
+        monkeypatch.setattr(halting, "hazards_to_masses", wrong)
+        h = run.model(torch.randint(0, 256, (2, 16)), 4).hazards
+        assert torch.allclose(wrong(h).sum(-1), torch.ones(())) and (wrong(h) >= 0).all()
+        broken = check_exit_masses(run)
+        assert broken.status == "fail", broken.detail

@@ -85,7 +85,17 @@ def test_generate_reports_flops_beside_speed(tmp_path):
     run = load_run(tmp_path / "r")
     out = generate_for_run(run, "hello", max_new_tokens=4, rounds=2)
     P = out["prompt_tokens"]
-    want = sum(decode_flops(run.model.cfg, r, P + i) for i, r in enumerate(out["rounds_used"])) / 4
-    assert out["flops_per_token"]["decode"] == pytest.approx(want)
+    assert P == 5 and out["rounds_used"] == [2, 2, 2, 2]
+
+    def by_hand(rounds, position):
+        # prelude 1 + rounds x 2 core blocks + coda 1, each 30,720 multiply-adds of products (above) and
+        # QK^T, AV over 2 heads of 32 against position + 1 keys; the head 64 x 300
+        return (1 + 2 * rounds + 1) * (2 * 30_720 + 4 * 2 * 32 * (position + 1)) + 2 * 64 * 300
+    # the prefill's pass gives the first token; the next 3 come from the columns at positions 5..7
+    want = sum(by_hand(2, P + i) for i in range(3)) / 3
+    assert out["flops_per_token"]["decode"] == pytest.approx(want, rel=1e-12)
+    # the prompt's coda runs on every column, its head on the last only
+    prefill = sum(by_hand(2, t) for t in range(P)) - (P - 1) * 2 * 64 * 300
+    assert out["flops_per_token"]["prefill"] == pytest.approx(prefill / P, rel=1e-12)
     assert out["flops_per_token"]["decode_flops_per_s"] == pytest.approx(want * out["decode_tokens_per_s"])
     assert pass_flops(run.model.cfg, Visits(rounds=2), 1)["backward"] == 0

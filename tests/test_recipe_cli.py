@@ -87,7 +87,7 @@ def test_builtins_load_and_every_field_documented(capsys):
     for name in names:
         looplm.load_recipe(name)
     for section, rows in field_docs().items():
-        for name, default, doc in rows:
+        for name, default, doc, _ in rows:
             assert doc.split(". ", 1)[1].strip(), f"{section}.{name} has no docstring"
 
 
@@ -97,7 +97,7 @@ def test_readme_documents_every_recipe_field():
     root = Path(__file__).parent.parent
     reference = (root / "docs" / "recipe.md").read_text()
     for section, rows in field_docs().items():
-        for name, _, _ in rows:
+        for name, _, _, _ in rows:
             assert f"`{section}.{name}`" in reference, f"docs/recipe.md lacks {section}.{name}"
     assert "docs/recipe.md" in (root / "README.md").read_text()
 
@@ -153,8 +153,10 @@ def test_refusal_boundaries():
     # each setting alone stays allowed; only the pair is refused
     assert tiny_recipe(**{"model.norm": "sandwich"}).model.norm == "sandwich"
     assert tiny_recipe(**{"model.residual_scaling": "deeploop"}).model.residual_scaling == "deeploop"
-    with pytest.raises(UserError, match="model.residual_scaling"):
-        looplm.load_recipe("huginn-style", {"model.residual_scaling": "deeploop"})
+    with pytest.raises(UserError, match="model.norm.*model.residual_scaling"):
+        tiny_recipe(**{"model.residual_scaling": "deeploop", "model.norm": "sandwich"})
+    # a recipe file's sandwich norm that an override makes inapplicable goes back to its default
+    assert looplm.load_recipe("huginn-style", {"model.residual_scaling": "deeploop"}).model.norm == "pre"
 
 
 @pytest.fixture(scope="module")
@@ -234,5 +236,5 @@ def test_old_run_loads_with_defaults_filled_and_logged(trained_run, tmp_path, ca
 def test_field_docs_are_one_line_each():
     # a docstring wrapped over lines used to break its README table row in two
     for section, rows in field_docs().items():
-        for name, _, doc in rows:
+        for name, _, doc, _ in rows:
             assert "\n" not in doc and "  " not in doc, f"{section}.{name}"

@@ -165,10 +165,22 @@ def test_a_trained_run_reports_routes_and_checks(tmp_path, capsys, monkeypatch, 
         bias = run.model.mor_bias
         assert bias.abs().sum() > 0 and torch.allclose(bias / 0.05, (bias / 0.05).round(), atol=1e-4)
     rep = json.loads((tmp_path / "run" / "report.json").read_text())["recursions"]
-    assert sum(rep["depth_histogram"].values()) == rep["tokens"] and rep["tokens_per_round"][0] == 1.0
+    # the depths the loaded model runs on the validation batches (in eval mode), counted here
+    from looplm.evaluation.rounds import eval_batches_for
+    with torch.no_grad():
+        used = torch.cat([run.model(x).rounds_used.flatten() for x, _ in eval_batches_for(run)])
+    assert used.numel() == 2 * 4 * 32 and 1 <= int(used.min()) and int(used.max()) <= 3
+    mean = used.float().mean().item()
+
+    def same_as_counted(got):
+        assert got["tokens"] == used.numel()
+        assert got["depth_histogram"] == {str(r): int((used == r).sum()) for r in (1, 2, 3)}
+        assert got["tokens_per_round"] == pytest.approx([(used >= r).float().mean().item() for r in (1, 2, 3)])
+        assert got["mean_depth"] == pytest.approx(mean) and got["realised_capacity"] == pytest.approx(mean / 3)
+    same_as_counted(rep)
     assert (tmp_path / "run" / "recursions.png").is_file()
     assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["recursions"] == rep
+    same_as_counted(json.loads(capsys.readouterr().out)["recursions"])
     assert main(["eval", str(tmp_path / "run"), "--exit", "entropy:1"]) == 2
     assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)

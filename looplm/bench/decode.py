@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,9 @@ HEADLINE = "full cache, fixed depth"
 
 
 def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """The row process's peak RSS (each row has its own process, so its own peak)."""
+    from ..memory import process_peak_rss_bytes
+    return process_peak_rss_bytes()
 
 
 def _summary(spec: dict[str, Any], runs: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
@@ -123,14 +124,11 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
     last: dict[str, Any] = {}
 
     def run_once() -> dict[str, Any]:
-        from ..model.flops import decode_flops
         out = engine.generate(prompts, params)
         st = out[0].stats
         rounds.extend(r for o in out for r in o.rounds_used)
-        # each generated token at its rounds and position, from the training FLOP counter
-        flops.extend(decode_flops(model.cfg, r, o.prompt_tokens + i, model.gate is not None,
-                                  model.nominal_rounds if model.cfg.mor != "none" else 0)
-                     for o in out for i, r in enumerate(o.rounds_used))
+        # the FLOPs of every column the engine computed after the prefill (model/flops.py), per token decoded
+        flops.append(st["flops"]["decode"] / max(st["decode_tokens"], 1))
         last.update(st)
         return {"decode_tokens_per_s": st["decode_tokens_per_s"], "ttft_s": st["ttft_s"],
                 "decode_tokens_per_cpu_s": st["decode_tokens"] / st["decode_cpu_s"],

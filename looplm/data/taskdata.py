@@ -66,6 +66,10 @@ class TaskBatch:
     lengths: list[int]        # prompt + answer tokens per row
     difficulties: list[int]
 
+    def real_inputs(self) -> torch.Tensor:
+        """(B, T) True at each row's len(prompt + answer) - 1 inputs, False at the padding after them."""
+        return torch.arange(self.x.shape[1]) < torch.tensor(self.lengths)[:, None] - 1
+
 
 def _where(ex: Example) -> str:
     if "line" in ex.meta:
@@ -207,11 +211,7 @@ class TaskSource:
         whose lines give no "difficulty" has nothing to select: all its lines are difficulty 0,
         and difficulty_min/max/eval_difficulty_max other than their defaults are refused rather
         than ignored (a recipe cannot tell a default it left alone from one it set)."""
-        path = d.task
-        for name in ("task_length", "train_length_min", "length_curriculum"):  # built-in prompts only
-            if getattr(d, name):
-                raise UserError(f"recipe field data.{name}: {path} is a JSONL file, whose prompts are used as written; "
-                                f"leave data.{name} at 0 (it sets the length of built-in tasks' prompts)")
+        path = d.task   # its prompts are used as written: the recipe refuses the built-in length dials
         self.levelled = examples[0].meta["difficulty"] is not None  # read_task_file: on every line or none
         if not self.levelled:
             defaults = DataConfig()
@@ -396,7 +396,7 @@ class TaskSampler:
             examples = drawn[rows]
             b = TaskBatch(b.x[rows], b.y[rows], b.mask[rows], b.prompt_lens[rows], b.lengths[rows],
                           b.difficulties[rows])
-        opts: dict[str, Any] = {"mask": b.mask}
+        opts: dict[str, Any] = {"mask": b.mask, "valid": b.real_inputs()}   # valid: what counts as tokens seen
         if self.recipe.data.round_targets == "trace":
             opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task)
         if self.recipe.data.depth_by_difficulty:

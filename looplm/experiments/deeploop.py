@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..recipe.config import Recipe, apply_overrides, recipe_from_dict
+from ..recipe.config import Recipe, derive_recipe
 
 CONVERGED_FRACTION = 0.9
 """A trial converged when its final training loss is at most this fraction of its first."""
@@ -41,11 +41,10 @@ QUICK_GRID = ((0.0, 0.5), (2,), (0,))
 
 
 def trial_recipe(base: Recipe, p: float, rounds: int, seed: int) -> Recipe:
-    data = apply_overrides(base.to_dict(), {
+    return derive_recipe(base.to_dict(), {
         "name": f"deeploop-p{p:g}-R{rounds}-s{seed}", "model.residual_scaling": "deeploop", "model.deeploop_p": p,
         "model.norm": "pre", "depth.kind": "fixed", "depth.rounds": rounds, "backward.window": "all",
         "exit.min_rounds": 1, "train.seed": seed, "train.alignment_every": max(1, base.train.steps // 2)})
-    return recipe_from_dict(data)
 
 
 def run_trial(recipe: Recipe, out: Path) -> dict[str, Any]:

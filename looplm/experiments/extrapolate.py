@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..runs.checkpoint import atomic_write, load_run, write_text
-from ..recipe.config import Recipe, apply_overrides, recipe_from_dict
+from ..recipe.config import Recipe, apply_overrides, derive_recipe, recipe_from_dict
 from ..errors import UserError
 from ..model.losses import mean_loss, token_losses
 from ..data.taskdata import TaskSampler, TaskSource
@@ -59,10 +59,10 @@ def _say(msg: str, quiet: bool) -> None:
 def baseline_recipes(recipe: Recipe) -> dict[str, Recipe]:
     """The untied baselines' recipes: the looped recipe with an untied core of fixed depth."""
     def untied(rounds: int, label: str) -> Recipe:
-        return recipe_from_dict(apply_overrides(recipe.to_dict(), {
+        return derive_recipe(recipe.to_dict(), {
             "name": f"{recipe.name}-{label}", "model.untied": True, "depth.kind": "fixed",
             "depth.rounds": rounds, "backward.window": "all", "supervision.kind": "final",
-            "supervision.rounds": [], "supervision.weights": [], "exit.gate": False, "exit.policy": "fixed"}))
+            "supervision.rounds": [], "supervision.weights": [], "exit.gate": False, "exit.policy": "fixed"})
     return {"untied_same_params": untied(1, "untied-same-params"),
             "untied_same_compute": untied(recipe.depth.max_rounds, "untied-same-compute")}
 

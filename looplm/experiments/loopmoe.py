@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..recipe.config import Recipe, apply_overrides, recipe_from_dict
+from ..recipe.config import Recipe, derive_recipe
 
 VARIANTS = ("base", "loop", "moe", "loopmoe")
 SMALL = {"model.d_model": 64, "model.n_heads": 2, "model.n_kv_heads": 2, "data.seq_len": 64, "model.context": 64,
@@ -46,7 +46,7 @@ def variant_recipe(base: Recipe, variant: str, experts: int, top_k: int) -> Reci
             "model.moe_hidden": max(1, hidden // top_k) if moe else 0, "model.ffn_hidden": hidden}
     if not moe:
         over.update({"supervision.moe_balance": 0.01, "supervision.moe_z": 0.001})   # the dense defaults
-    return recipe_from_dict(apply_overrides(base.to_dict(), over))
+    return derive_recipe(base.to_dict(), over)
 
 
 def step_flops(recipe: Recipe) -> float:
@@ -71,7 +71,7 @@ def run_loopmoe(base: Recipe, out: str | Path, experts: int = 8, top_k: int = 2)
     rows = []
     for v, rec in recipes.items():
         steps = max(1, round(budget / step_flops(rec)))
-        rec = recipe_from_dict(apply_overrides(rec.to_dict(), {"train.steps": steps}))
+        rec = derive_recipe(rec.to_dict(), {"train.steps": steps})
         report = train(rec, out / v, quiet=True)
         R = rec.depth.rounds
         row = {"variant": v, "steps": report["steps"], "train_flops": report["train_flops"],

@@ -113,6 +113,7 @@ class DecodeBatch:
                                       "missing": engine.config.missing, "cache_bytes": self.cache.nbytes()}
         engine.last_stats = self.stats
         self._prompt_tokens = sum(map(len, ids))
+        self.work = engine.new_work()                        # every column computed: stats["flops"]
 
     @property
     def finished(self) -> bool:
@@ -186,12 +187,12 @@ class DecodeBatch:
         want = [(j, b) for j, b in enumerate(cache_rows) if self.plist[b].prompt_logprobs is not None]
         if not (e.adaptive and e.policy.exit_in_prefill):
             logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows,
-                                       all_logits=bool(want))
+                                       all_logits=bool(want), work=self.work)
             if not want:
                 return logits, used
         else:
-            cols = [e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill", noise=self.noise, rows=rows)
-                    for c in range(idx.shape[1])]
+            cols = [e.run_chunk(idx[:, c:c + 1], start + c, self.cache, phase="prefill", noise=self.noise, rows=rows,
+                                work=self.work) for c in range(idx.shape[1])]
             logits, used = torch.stack([lg for lg, _ in cols], 1), cols[-1][1]                # (rows, T, V)
         if want:
             self._record_prompt(want, idx, start, logits)
@@ -285,10 +286,11 @@ class DecodeBatch:
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         if len(rows) < self.B and (consecutive or 2 * len(rows) <= self.B):
             sel = torch.tensor(rows, device=dev)
-            logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel)
+            logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel,
+                                       work=self.work)
         else:
             every = torch.tensor(self.tokens, dtype=torch.long, device=dev)
-            logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise)
+            logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise, work=self.work)
             if len(rows) < self.B:
                 logits = logits[rows]
                 used = used if isinstance(used, int) else used[rows]
@@ -333,8 +335,11 @@ class DecodeBatch:
         return events
 
     def _maybe_finish(self) -> None:
-        """When every row is done: the decode figures of the batch's stats."""
+        """When every row is done: the decode figures of the batch's stats (`flops`: forward FLOPs of
+        every column computed, by phase; the finished rows a whole-batch step runs included)."""
         if all(self.done):
+            w = self.work
+            self.stats["flops"] = {"prefill": 0.0, "decode": 0.0, **w.by_phase, "attention": w.attention}
             decode_s = sum(self.latencies)
             self.stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - self._cpu_start,
                               decode_tokens=self.row_steps, token_latencies_s=self.latencies,

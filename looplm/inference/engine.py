@@ -39,6 +39,7 @@ no-cache reference (`inference/reference.py`) uses the same position-indexed noi
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from .cache import MISSING, LoopKVCache, check_policy
 from ..model.recurrence import unroll
+from ..model.flops import DecodeWork
 from ..errors import UserError
 from ..halting import ExitController, ExitPolicy, parse_exit_policy
 from .kernels import PackedOps, rope_rows
@@ -100,7 +102,8 @@ class Completion:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     """Per prompt token, the likeliest tokens at its position (None for the first), when asked."""
     stats: dict[str, Any] = field(default_factory=dict)
-    """Batch timings and counters: prefill_tokens_per_s, decode_tokens_per_s, ttft_s, ...; shared by the batch."""
+    """Batch timings and counters: prefill_tokens_per_s, decode_tokens_per_s, ttft_s, flops (forward FLOPs
+    of every column computed, by phase: model/flops.py), ...; shared by the batch."""
 
 
 class Engine:
@@ -263,6 +266,12 @@ class Engine:
         return LoopKVCache(self.cfg, batch=batch, length=length, rounds=self.rounds, prefill=c.prefill_cache,
                            decode=c.decode_cache, missing=c.missing, pad=pad, dtype=p.dtype, device=p.device)
 
+    def new_work(self) -> DecodeWork:
+        """A record of the FLOPs of every column computed (model/flops.py), for `run_chunk(work=...)`.
+        A column counts at its cache column: its attention reads every column before it (a row's
+        left pad is masked, not skipped)."""
+        return DecodeWork(self.cfg, router_depths=self.model.nominal_rounds if self.cfg.mor != "none" else 0)
+
     # -- preparation ----------------------------------------------------------------------
     def token_ids(self, prompts: Any) -> list[list[int]]:
         """Prompts (a text, texts or lists of token ids) as checked token ids: UserError for an
@@ -326,7 +335,8 @@ class Engine:
                   rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,
                   commit: bool = True, rows: Tensor | None = None,
                   trace: list[tuple[Tensor, Tensor]] | None = None,
-                  may_exit: Tensor | None = None) -> tuple[Tensor, Tensor | int]:
+                  may_exit: Tensor | None = None, work: DecodeWork | None = None,
+                  work_phase: str | None = None) -> tuple[Tensor, Tensor | int]:
         """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`).
 
         Returns (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at the last
@@ -338,7 +348,9 @@ class Engine:
         verification overwrites). `rows`: the cache rows idx's rows belong to (default all;
         finished rows are left out). `trace` (fixed depth): gets (prelude output, state after
         the last round), both (B, T, d). `may_exit` (B,) bool: only these rows may exit early
-        (the others run every round; evaluation of task answers)."""
+        (the others run every round; evaluation of task answers). `work` (from `new_work`): records
+        every column this chunk computed, each row's at the rounds, readouts, head products and gate
+        evaluations it ran, under `work_phase` (default `phase`)."""
         k = self._fast or self.kernels()
         T = idx.shape[1]
         cache.begin(start, T, phase, rows)
@@ -352,14 +364,21 @@ class Engine:
             logits = k.readout(s, rope, cache, R, all_logits)
             if commit:
                 cache.commit(R)
+            if work is not None:    # the coda runs on every column, the head on the last (on each with all_logits)
+                work.add(work_phase or phase, start, R, columns=T, heads=T if all_logits else 1, rows=idx.shape[0])
             return logits, R
         if T != 1:
             raise ValueError("per-token exits run one column at a time")
         if may_exit is not None and rows is not None:          # the controller counts cache rows
             may_exit = torch.ones(cache.batch, dtype=torch.bool, device=may_exit.device).index_put((rows,), may_exit)
-        logits, used = self._rounds_with_exits(s, e, rope, cache, phase, rows, may_exit)    # (cache rows, ...)
+        logits, used, ctl = self._rounds_with_exits(s, e, rope, cache, phase, rows, may_exit)    # (cache rows, ...)
         if commit:
             cache.commit(used)
+        if work is not None:    # read out at each read round it reached, else once at its exit round
+            reads = ctl.read_rounds
+            for u, n in Counter((used if rows is None else used[rows.cpu()]).tolist()).items():
+                work.add(work_phase or phase, start, u, readouts=sum(r <= u for r in reads) + (u not in reads),
+                         gate_rounds=u if ctl.needs_hazard else 0, rows=n)
         return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
 
     def chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
@@ -390,10 +409,11 @@ class Engine:
         return self._fast
 
     def _rounds_with_exits(self, s: Tensor, e: Tensor, rope: Any, cache: LoopKVCache, phase: str,
-                           rows: Tensor | None, may_exit: Tensor | None) -> tuple[Tensor, Tensor]:
+                           rows: Tensor | None, may_exit: Tensor | None) -> tuple[Tensor, Tensor, ExitController]:
         """Run up to R rounds for one column; each row stops where `ExitController` says. s holds
         the cache rows `rows` (None = all); the results are indexed by cache row: logits
-        (cache.batch, V) and rounds used (cache.batch,), R for rows that did not run.
+        (cache.batch, V) and rounds used (cache.batch,), R for rows that did not run; and the
+        controller (its read rounds: what each row's readouts were).
 
         A row's coda entry in the cache is its exit-round readout's (the coda slot is one per
         block, the last write wins), which is what later tokens' codas read: entropy/kl rows
@@ -434,7 +454,7 @@ class Engine:
                 cache.select(rows)
         if ctl.read_rounds:
             out = ctl.logits                                    # each row's exit-round readout
-        return out, ctl.exit_round.cpu()
+        return out, ctl.exit_round.cpu(), ctl
 
 def _events(run: "DecodeBatch | SpeculativeRun") -> Iterator[TokenEvent]:
     """A batch's events, step after step, until it finishes."""
@@ -466,22 +486,15 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
               "mean_rounds": sum(out.rounds_used) / max(len(out.rounds_used), 1), "max_rounds": engine.rounds,
               "exit": st["exit"], "prefill_cache": st["prefill_cache"], "decode_cache": st["decode_cache"],
               "missing_kv": st["missing"], "cache_bytes": st["cache_bytes"]}
-    # compute per token from the same counter as training (model/flops.py), beside the measured speed:
-    # each generated token at its rounds and position (its own pass; speculation's drafts and rejected
-    # columns are not in it), each prompt token at the prefill depth
-    from ..model.flops import decode_flops
-    cfg, gate = run.model.cfg, run.model.gate is not None
-    P = out.prompt_tokens
-    depths = engine.model.nominal_rounds if cfg.mor != "none" else 0
-    dec = [decode_flops(cfg, r, P + i, gate, depths) for i, r in enumerate(out.rounds_used)]
-    prompt_rounds = [engine.rounds] * P
-    if depths:              # a routed prompt token runs its own depth: the forward's (equal to the decoder's)
-        with torch.no_grad():
-            ids = torch.tensor([engine.token_ids(prompt)[0]], device=next(engine.model.parameters()).device)
-            prompt_rounds = engine.model.eval()(ids).rounds_used[0].tolist()
-    pre = sum(decode_flops(cfg, r, t, gate, depths) for t, r in enumerate(prompt_rounds)) / max(P, 1)
-    result["flops_per_token"] = {"decode": sum(dec) / max(len(dec), 1), "prefill": pre,
-                                 "decode_flops_per_s": sum(dec) / max(len(dec), 1) * st["decode_tokens_per_s"]}
+    # compute beside the measured speed: the FLOPs of every column the engine computed (model/flops.py,
+    # recorded by the chunks that ran them), the prompt's per prompt token and the rest per token
+    # decoded after the first (which the prefill's pass produced); under speculation drafts and
+    # rejected verifications included
+    work, n_dec, P = st["flops"], st["decode_tokens"], out.prompt_tokens
+    result["flops"] = dict(work)
+    result["flops_per_token"] = {"decode": work["decode"] / n_dec if n_dec else 0.0,
+                                 "prefill": work["prefill"] / max(P, 1),
+                                 "decode_flops_per_s": work["decode"] / max(st["decode_s"], 1e-9) if n_dec else 0.0}
     if "speculative" in st:
         result["speculative"] = st["speculative"]
     if out.logprobs is not None:

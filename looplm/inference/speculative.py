@@ -12,7 +12,9 @@ from the drafts' own states: their first rounds read the history plain decoding 
 are plain decoding's. The accepted prefix plus the verifier's own token are kept and the cache is
 trimmed to them. Greedy output equals plain full-depth greedy decoding; with temperature,
 standard speculative sampling (accept with min(1, p/q), else resample from max(p - q, 0)) keeps
-the target distribution (sampler.py).
+the target distribution (sampler.py). `stats["speculative"]["flops"]` counts every column computed
+(model/flops.py DecodeWork): the prompt, each draft at its rounds, each verified column at full
+depth, rejected ones included.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .cache import LoopKVCache
+from ..model.flops import DecodeWork
 from ..model.recurrence import unroll
 from ..errors import UserError
 from .sampler import RowText, Sampler, SamplingParams, TokenEvent, token_logprobs
@@ -93,6 +96,7 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     spec = stats["speculative"]
     engine.last_stats = stats
     n_out, draft_round_sum = 0, 0
+    work = DecodeWork(engine.cfg)      # every column computed, recorded by the chunks that compute it
 
     def logprobs(rows: Tensor, toks: list[int]) -> list[Any]:
         """(token logprob, top) of each emitted token from the full-depth logits that chose it."""
@@ -101,7 +105,7 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     t0 = time.perf_counter()
     scored = sp.prompt_logprobs is not None
     logits, _ = engine.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
-                                 noise=noise, all_logits=scored)
+                                 noise=noise, all_logits=scored, work=work)
     prompt_lp: tuple[list, list] | None = None
     if scored:                     # column c's logits score the prompt token at c + 1
         got = token_logprobs(logits[0, :-1], prompt[1:], [sp.prompt_logprobs] * (P - 1))
@@ -139,9 +143,9 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
             x = torch.tensor([[tok]], device=dev)
             if draft_rounds:
                 lg, used = engine.run_chunk(x, col + j, cache, rounds=draft_rounds, noise=noise, commit=False,
-                                            trace=trace)
+                                            trace=trace, work=work, work_phase="draft")
             else:   # the policy's exit; commit fills (or masks) the rounds it skipped for the next draft
-                lg, used = engine.run_chunk(x, col + j, cache, noise=noise)
+                lg, used = engine.run_chunk(x, col + j, cache, noise=noise, work=work, work_phase="draft")
             draft_round_sum += int(used) if isinstance(used, int) else int(used[0])
             tok, q = sampler.pick(lg[0], drafts)
             drafts.append(tok)
@@ -150,9 +154,13 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
         # drafts already ran rounds 1..d of the first k columns; exit drafts ran different ones
         if draft_rounds and k:
             lg = verify_from_drafts(engine, cache, col, drafts, trace, draft_rounds, noise)
+            work.add("verify", col + k, draft_rounds, readouts=0)     # the last draft's first rounds
+            for i in range(k + 1):
+                work.add("verify", col + i, R - draft_rounds, prelude=False)
         else:
             chunk = torch.tensor([[pending] + drafts], device=dev)
-            lg, _ = engine.run_chunk(chunk, col, cache, rounds=R, noise=noise, all_logits=True)
+            lg, _ = engine.run_chunk(chunk, col, cache, rounds=R, noise=noise, all_logits=True, work=work,
+                                     work_phase="verify")
         accepted, nxt = sampler.verify(lg[0], drafts, q_list)
         spec["drafted"] += k
         spec["accepted"] += accepted
@@ -164,6 +172,9 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     n_dec = max(n_out - 1, 0)
     spec["acceptance_rate"] = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
     spec["draft_mean_rounds"] = draft_round_sum / spec["drafted"] if spec["drafted"] else 0.0
+    spec["flops"] = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, **work.by_phase, "attention": work.attention}
+    stats["flops"] = {"prefill": spec["flops"]["prefill"], "decode": spec["flops"]["draft"] + spec["flops"]["verify"],
+                      "attention": work.attention}
     stats.update(decode_s=decode_s, decode_cpu_s=time.process_time() - cpu_start, decode_tokens=n_dec,
                  decode_tokens_per_s=n_dec / decode_s if n_dec else 0.0)
 

@@ -20,7 +20,7 @@ tokens, L = (T + 1) / 2 keys on average; a decoded token at position t attends t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,43 @@ def decode_flops(cfg, rounds: int, position: int, exit_gate: bool = False, route
     (router_depths: a Mixture-of-Recursions router's width, the model's nominal rounds)."""
     visits = Visits(rounds=rounds, router_depths=router_depths, router_lookahead=getattr(cfg, "mor", "") == "expert_choice")
     return pass_flops(cfg, visits, position + 1, exit_gate)["forward"]
+
+
+@dataclass
+class DecodeWork:
+    """Forward FLOPs of every cache column a decoder computed, by phase ("prefill", "decode",
+    "draft", "verify", ...): a column a speculative decoder drafts, verifies and throws away is work
+    done all the same. `attention` is the part of the total that is QK^T and AV (the rest are the
+    weight products, what PyTorch's FLOP counter sees on CPU). `router_depths`: a
+    Mixture-of-Recursions router's width (the model's nominal rounds; see `router_flops`)."""
+
+    cfg: object
+    by_phase: dict[str, float] = field(default_factory=dict)
+    attention: float = 0.0
+    router_depths: int = 0
+
+    def add(self, phase: str, position: int, rounds: int, *, prelude: bool = True, readouts: int = 1,
+            heads: int | None = None, gate_rounds: int = 0, columns: int = 1, rows: int = 1) -> None:
+        """`columns` columns from `position` on (0-based; column t attends to t + 1 keys), each: the
+        prelude (prelude), `rounds` rounds of the core (and a Mixture-of-Recursions router's products
+        for them), `readouts` passes of the coda and the exit gate at `gate_rounds` rounds; `heads`
+        LM-head products over the columns (default one per readout of each column; a chunk's readout
+        runs the coda on every column and the head on the last); `rows` batch rows of such columns."""
+        cfg, n = self.cfg, columns
+        head, adapter, gate = _pieces(cfg, True)
+        router = router_flops(cfg, Visits(rounds=rounds, router_depths=self.router_depths,
+                                          router_lookahead=getattr(cfg, "mor", "none") == "expert_choice"))[0]
+        blocks = cfg.n_prelude * prelude + readouts * cfg.n_coda
+        core_round = 2 * cfg.n_core * block_matmul_params(cfg, True) + adapter
+        products = (n * (2 * block_matmul_params(cfg) * blocks + rounds * core_round + gate_rounds * gate + router)
+                    + (n * readouts if heads is None else heads) * head)
+        keys = n * position + n * (n + 1) // 2                          # the columns' position + 1, summed
+        attention = 4 * cfg.n_heads * cfg.head_dim * keys * (blocks + rounds * cfg.n_core)
+        self.by_phase[phase] = self.by_phase.get(phase, 0.0) + rows * (products + attention)
+        self.attention += rows * attention
+
+    def total(self) -> float:
+        return sum(self.by_phase.values())
 
 
 def prelude_receives_gradient(cfg, grad_rounds: tuple[int, ...] | list[int]) -> bool:

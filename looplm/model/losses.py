@@ -70,8 +70,12 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
         terms = learned_exit_terms(per_round, masses, cfg.entropy_beta, cfg.prior, cfg.geometric_lambda,
                                    reduce=False)
         total = mean_loss(terms.total, mask)
+        with torch.no_grad():   # the weight each round's loss carried: its exit mass, averaged over scored tokens
+            mean_mass = [mean_loss(masses[..., i] if mask is None else masses[..., i] * mask, mask).item()
+                         for i in range(out.rounds)]
         info = {"task_loss": mean_loss(terms.task, mask).item(), "regulariser": mean_loss(terms.regulariser, mask).item(),
-                "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1, device=masses.device)).sum(-1), mask).item()}
+                "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1, device=masses.device)).sum(-1), mask).item(),
+                "round_weights": dict(enumerate(mean_mass, start=1))}
         return total, info
     place = placement(cfg, out.rounds)
     losses = []
@@ -81,5 +85,6 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
         y, m = round_targets(r) if round_targets is not None and r < out.rounds else (targets, mask)
         losses.append(mean_loss(token_losses(out.round_logits[r], y, m), m))
     total = sum(w * loss for w, loss in zip(place.weights, losses))
-    info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback}
+    info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback,
+            "round_weights": dict(zip(place.rounds, place.weights))}
     return total, info

@@ -10,6 +10,7 @@ are refused at construction with a `UserError` naming the field and what is allo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import tomllib
 import types
@@ -21,10 +22,59 @@ from typing import Any, Literal, Union
 
 from ..errors import UserError
 
+log = logging.getLogger(__name__)
+
 
 def _check(ok: bool, key: str, allowed: str) -> None:
     if not ok:
         raise UserError(f"recipe field {key}: {allowed}")
+
+
+# ---------------------------------------------------------------------------------------
+# Applicability: one rule for the whole recipe. A field that does not apply to the chosen kind,
+# mode or stage must stay at its default; otherwise the recipe is refused, naming the field and
+# the field(s) that make it inapplicable. Each field's rule is declared with the field itself
+# (`field(metadata=applies(...))`), so a reader sees it beside the docstring, and the enumeration
+# test (tests/test_applicability.py) covers every field that declares one.
+
+@dataclass(frozen=True)
+class Condition:
+    """The field applies only when `test(*values of keys)` holds (keys are dotted recipe keys)."""
+
+    keys: tuple[str, ...]
+    test: Any
+    text: str
+    """What must hold, in words: 'depth.kind is "lognormal_poisson"'."""
+
+
+def _words(values: tuple) -> str:
+    return " or ".join(f'"{v}"' if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+                       for v in values)
+
+
+def when(key: str, *values: Any) -> Condition:
+    return Condition((key,), lambda v: v in values, f"{key} is {_words(values)}")
+
+
+def unless(key: str, *values: Any) -> Condition:
+    return Condition((key,), lambda v: v not in values, f"{key} is not {_words(values)}")
+
+
+def applies(*conditions: Condition, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field that applies only when every condition holds."""
+    kw = {"default": default} if factory is dataclasses.MISSING else {"default_factory": factory}
+    return field(**kw, metadata={"applies": conditions})
+
+
+def _builtin_task(task: str) -> bool:
+    from ..data.tasks import TASKS   # late import: data imports the recipe
+    return task in TASKS
+
+
+TASK_DATA = unless("data.task", "")
+BUILTIN_TASK = Condition(("data.task",), _builtin_task, "data.task names a built-in task generator")
+TEXT_DATA = when("data.task", "")
+STAGE_1 = unless("train.stage", 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,15 +101,16 @@ class ModelConfig:
     """Untied blocks after the loop, before the LM head."""
     init_state: Literal["zeros", "prelude", "random"] = "prelude"
     """Loop state before round 1: zeros, the prelude output e, or normal noise with std init_state_std (Huginn)."""
-    init_state_std: float = 1.0
+    init_state_std: float = applies(when("model.init_state", "random"), default=1.0)
     """Std of the random initial state."""
     injection: Literal["none", "add", "concat"] = "add"
     """How e re-enters each round: not at all, s + e, or Linear(2d -> d) of [s, e] (Huginn's adapter)."""
-    norm: Literal["pre", "sandwich"] = "pre"
-    """Pre-norm blocks, or sandwich norm (norm before and after each branch, as Huginn)."""
+    norm: Literal["pre", "sandwich"] = applies(unless("model.residual_scaling", "deeploop"), default="pre")
+    """Pre-norm blocks, or sandwich norm (norm before and after each branch, as Huginn). DeepLoop's scaled
+    residual replaces the block norms, so with it this stays at "pre"."""
     residual_scaling: Literal["none", "deeploop"] = "none"
     """DeepLoop: x <- norm(alpha*x + branch(x)), alpha=(2N)^p, branch init scaled by beta=(8N)^-p, N = n_core*rounds. Needs norm = "pre"."""
-    deeploop_p: float = 0.5
+    deeploop_p: float = applies(when("model.residual_scaling", "deeploop"), default=0.5)
     """DeepLoop exponent p (>= 0)."""
     state_norm: bool = False
     """RMSNorm the loop state after every round (keeps its scale fixed when running more rounds)."""
@@ -77,25 +128,25 @@ class ModelConfig:
     """LoopMoE: each core block's FFN is a mixture of this many SwiGLU experts, routed per token at every
     visit (top moe_top_k, softmax renormalised over the chosen; model/moe.py). 0 = the dense SwiGLU.
     Prelude and coda stay dense; with model.untied every untied core block has its own experts."""
-    moe_top_k: int = 2
+    moe_top_k: int = applies(unless("model.moe_experts", 0), default=2)
     """Experts each token uses per visit (token choice); needs moe_experts > 0."""
-    moe_hidden: int = 0
+    moe_hidden: int = applies(unless("model.moe_experts", 0), default=0)
     """Hidden width of one expert. 0 = ffn_hidden (each expert as wide as the dense FFN)."""
     mor: Literal["none", "token_choice", "expert_choice"] = "none"
     """Mixture-of-Recursions (model/recursions.py): token_choice = a router on each token's prelude output picks
     how many of the depth.rounds rounds it runs (top-1), the chosen depth's probability scaling its updates;
     expert_choice = at every round a router on the state keeps the top mor_capacity share of each sequence's
     tokens still running (nested), its sigmoid x mor_alpha scaling their updates."""
-    mor_capacity: tuple[float, ...] = ()
+    mor_capacity: tuple[float, ...] = applies(when("model.mor", "expert_choice"), default=())
     """expert_choice: the share of a sequence's tokens each round keeps, one per round, starting at 1 and
     non-increasing. Empty = (N - i) / N (1, 2/3, 1/3 at N = 3 rounds)."""
-    mor_alpha: float = 0.1
+    mor_alpha: float = applies(when("model.mor", "expert_choice"), default=0.1)
     """expert_choice: scale of the router's sigmoid weight on a kept token's update."""
-    mor_causal: Literal["aux_loss", "aux_router"] = "aux_loss"
+    mor_causal: Literal["aux_loss", "aux_router"] = applies(when("model.mor", "expert_choice"), default="aux_loss")
     """expert_choice at inference, where a top-k over the sequence would read the future: a token continues
     while sigmoid(router logit) > 0.5 (aux_loss: the router itself, trained towards the top-k choice by a BCE
     loss) or while a separate auxiliary router on the detached state says so (aux_router, trained by that loss)."""
-    mor_cache: Literal["recursion_wise", "shared_first"] = "recursion_wise"
+    mor_cache: Literal["recursion_wise", "shared_first"] = applies(unless("model.mor", "none"), default="recursion_wise")
     """Which earlier tokens a routed round attends to: recursion_wise = only tokens that entered that round;
     shared_first = every token's round-1 keys/values (and the query's own). Changes the function trained."""
 
@@ -131,23 +182,11 @@ class ModelConfig:
             if self.moe_hidden == 0:
                 object.__setattr__(self, "moe_hidden", self.ffn_hidden)
             _check(self.moe_hidden >= 1, "model.moe_hidden", "must be >= 1 (0 = ffn_hidden)")
-        else:
-            _check(self.moe_top_k == 2 and self.moe_hidden == 0, "model.moe_top_k",
-                   "model.moe_top_k and model.moe_hidden apply to an MoE core: set model.moe_experts > 0")
-        _check(self.mor != "none" or self.mor_cache == "recursion_wise", "model.mor_cache",
-               'applies to a routed loop: set model.mor = "token_choice" or "expert_choice"')
-        if self.mor != "expert_choice":
-            _check(not self.mor_capacity and self.mor_alpha == 0.1 and self.mor_causal == "aux_loss",
-                   "model.mor_capacity", 'model.mor_capacity, mor_alpha and mor_causal apply to model.mor = '
-                   '"expert_choice"')
-        else:
+        if self.mor == "expert_choice":
             _check(self.mor_alpha > 0 and math.isfinite(self.mor_alpha), "model.mor_alpha", "must be finite and > 0")
             c = self.mor_capacity
             _check(all(0 < x <= 1 for x in c) and all(a >= b for a, b in zip(c, c[1:])) and (not c or c[0] == 1),
                    "model.mor_capacity", "must start at 1, never increase, and lie in (0, 1]")
-        # Block takes deeploop over the norm setting, so sandwich would be silently dropped.
-        _check(self.residual_scaling != "deeploop" or self.norm == "pre", "model.residual_scaling",
-               'deeploop replaces the block norms; it needs model.norm = "pre", not "sandwich"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,13 +195,13 @@ class DepthConfig:
     """How many rounds each training step runs: fixed, uniform on {min..max}, or Huginn's log-normal Poisson."""
     rounds: int = 4
     """Rounds for kind = fixed; also the default rounds at evaluation and generation."""
-    min: int = 1
+    min: int = applies(unless("depth.kind", "fixed"), default=1)
     """Smallest sampled depth (uniform; lower clamp for lognormal_poisson)."""
-    max: int = 8
-    """Largest sampled depth (uniform; cap for lognormal_poisson). Ignored for fixed (= rounds)."""
-    mean: float = 4.0
+    max: int = applies(unless("depth.kind", "fixed"), default=8)
+    """Largest sampled depth (uniform; cap for lognormal_poisson)."""
+    mean: float = applies(when("depth.kind", "lognormal_poisson"), default=4.0)
     """Mean depth r-bar of the log-normal Poisson sampler (Huginn: 32)."""
-    sigma: float = 0.5
+    sigma: float = applies(when("depth.kind", "lognormal_poisson"), default=0.5)
     """Log-normal sigma of the sampler (Huginn: 0.5)."""
 
     def __post_init__(self) -> None:
@@ -197,32 +236,36 @@ class BackwardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SupervisionConfig:
-    kind: Literal["final", "rounds", "every", "learned_exit"] = "final"
-    """Loss placement: final round only; chosen rounds with weights; every round run; learned exit distribution (Ouro)."""
-    rounds: tuple[int, ...] = ()
+    kind: Literal["final", "rounds", "every", "learned_exit"] = applies(
+        STAGE_1, unless("data.depth_by_difficulty", True), default="final")
+    """Loss placement: final round only; chosen rounds with weights; every round run; learned exit distribution
+    (Ouro). Stage II trains only the gate on its own loss, and data.depth_by_difficulty supervises every round
+    from the example's difficulty on, so neither reads this section's placement fields."""
+    rounds: tuple[int, ...] = applies(when("supervision.kind", "rounds"), default=())
     """Rounds read out for kind = rounds (1-based). Rounds beyond a step's sampled depth are skipped that step."""
-    weights: tuple[float, ...] = ()
+    weights: tuple[float, ...] = applies(when("supervision.kind", "rounds"), default=())
     """One weight per entry of rounds; empty = equal weights. Losses are combined as sum(w*L)/sum(w)."""
-    entropy_beta: float = 0.05
+    entropy_beta: float = applies(when("supervision.kind", "learned_exit"), default=0.05)
     """learned_exit: weight of the entropy bonus (prior = none) or of KL(p || prior)."""
-    prior: Literal["none", "uniform", "geometric"] = "none"
+    prior: Literal["none", "uniform", "geometric"] = applies(when("supervision.kind", "learned_exit"), default="none")
     """learned_exit regulariser: entropy bonus (none) or KL to a uniform or geometric prior (PonderNet)."""
-    geometric_lambda: float = 0.5
+    geometric_lambda: float = applies(when("supervision.kind", "learned_exit"), when("supervision.prior", "geometric"),
+                                      default=0.5)
     """Hazard of the geometric prior."""
-    moe_balance: float = 0.01
+    moe_balance: float = applies(unless("model.moe_experts", 0), STAGE_1, default=0.01)
     """LoopMoE: weight of the load-balance loss E * sum_i f_i P_i (1 when the experts are used evenly),
     averaged over every MoE visit of the unrolled depth and added to the training loss."""
-    moe_z: float = 0.001
+    moe_z: float = applies(unless("model.moe_experts", 0), STAGE_1, default=0.001)
     """LoopMoE: weight of the router z-loss mean(logsumexp(router logits)^2), averaged the same way."""
-    mor_balance: float = 0.01
+    mor_balance: float = applies(when("model.mor", "token_choice"), default=0.01)
     """Mixture-of-Recursions: weight of the depth-balance loss R * sum_i f_i P_i (1 when every depth gets
     the same share of tokens)."""
-    mor_z: float = 0.0
+    mor_z: float = applies(unless("model.mor", "none"), default=0.0)
     """Mixture-of-Recursions: weight of the router z-loss mean(logsumexp(router logits)^2)."""
-    mor_bias_rate: float = 0.0
+    mor_bias_rate: float = applies(when("model.mor", "token_choice"), default=0.0)
     """Mixture-of-Recursions loss-free balancing: after every optimizer step each depth's selection bias moves
     by this much towards an even load (0 = off; use with mor_balance = 0 for balancing without a loss)."""
-    mor_aux: float = 0.01
+    mor_aux: float = applies(when("model.mor", "expert_choice"), default=0.01)
     """Mixture-of-Recursions, expert choice: weight of the BCE loss that trains the causal decision (the router's
     logits, or the auxiliary router's) towards each round's top-k selection."""
 
@@ -231,7 +274,7 @@ class SupervisionConfig:
             _check(len(self.rounds) > 0, "supervision.rounds", "must list at least one round when kind = rounds")
         _check(all(r >= 1 for r in self.rounds), "supervision.rounds", "rounds are 1-based and must be >= 1")
         _check(len(set(self.rounds)) == len(self.rounds), "supervision.rounds", "must not repeat a round")
-        if self.weights:
+        if self.weights and self.kind == "rounds":
             _check(len(self.weights) == len(self.rounds), "supervision.weights",
                    f"must have one weight per supervised round ({len(self.rounds)}), got {len(self.weights)}")
             _check(all(w >= 0 and math.isfinite(w) for w in self.weights) and sum(self.weights) > 0,
@@ -252,8 +295,11 @@ class SupervisionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExitConfig:
-    gate: bool = False
-    """Give the model an exit gate (dense + sigmoid of the state per round). Required by learned_exit."""
+    gate: bool = applies(Condition(("supervision.kind", "train.stage"), lambda kind, stage: kind == "learned_exit"
+                                   or stage == 2, 'supervision.kind is "learned_exit" or train.stage is 2 '
+                                   "(the only losses that reach the gate)"), default=False)
+    """Give the model an exit gate (dense + sigmoid of the state per round). Required by learned_exit and stage II,
+    the only losses that train it; anywhere else it would stay at its initialisation."""
     policy: str = "fixed"
     """Default inference exit policy: fixed (all rounds), fixed:R, quantile:Q, entropy:TAU or kl:EPS."""
     min_rounds: int = 1
@@ -267,47 +313,48 @@ class ExitConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    path: str = ""
+    path: str = applies(TEXT_DATA, default="")
     """Text file or folder for language-model data; empty = the embedded corpus (this Python's stdlib source)."""
     task: str = ""
     """A built-in task generator name or a JSONL path of {prompt, answer} lines (see docs/tasks.md)."""
     tokenizer: Literal["byte", "bpe"] = "byte"
     """Byte-level (257 ids) or a BPE trained locally on the training split with model.vocab_size ids."""
-    max_bytes: int = 2_000_000
+    max_bytes: int = applies(TEXT_DATA, default=2_000_000)
     """Read at most this many bytes of text (whole documents)."""
-    val_fraction: float = 0.05
+    val_fraction: float = applies(Condition(("data.task",), lambda t: not _builtin_task(t), "data.task is empty or a JSONL file"),
+                                  default=0.05)
     """Fraction of documents held out for validation (split by document, never inside one)."""
-    seq_len: int = 128
-    """Training sequence length (<= model.context)."""
-    difficulty_min: int = 1
+    seq_len: int = applies(TEXT_DATA, default=128)
+    """Training sequence length (<= model.context); task data is as long as its prompts."""
+    difficulty_min: int = applies(TASK_DATA, default=1)
     """Task data: smallest training difficulty of a built-in task (hops, overwrites, digits...)."""
-    difficulty_max: int = 4
+    difficulty_max: int = applies(TASK_DATA, default=4)
     """Task data: largest training difficulty of a built-in task."""
-    task_length: int = 0
+    task_length: int = applies(BUILTIN_TASK, default=0)
     """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max."""
-    train_length_min: int = 0
+    train_length_min: int = applies(BUILTIN_TASK, default=0)
     """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length)."""
-    warmup_steps: int = 0
+    warmup_steps: int = applies(TASK_DATA, default=0)
     """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
-    curriculum: float = 0.0
+    curriculum: float = applies(TASK_DATA, default=0.0)
     """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all at once)."""
-    length_curriculum: float = 0.0
+    length_curriculum: float = applies(BUILTIN_TASK, unless("data.train_length_min", 0), default=0.0)
     """Task data: with train_length_min, fraction of train.steps, after warmup_steps, over which the longest training prompt grows from the shortest to task_length (0 = all lengths at once)."""
-    separator: bool = True
+    separator: bool = applies(TASK_DATA, default=True)
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
-    depth_by_difficulty: bool = False
+    depth_by_difficulty: bool = applies(TASK_DATA, default=False)
     """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
-    round_targets: Literal["answer", "trace"] = "answer"
+    round_targets: Literal["answer", "trace"] = applies(TASK_DATA, default="answer")
     """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list, one token each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised."""
-    eval_difficulty_max: int = 0
+    eval_difficulty_max: int = applies(TASK_DATA, default=0)
     """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
-    eval_rounds_max: int = 0
+    eval_rounds_max: int = applies(TASK_DATA, default=0)
     """Task data: largest evaluated round count; 0 = 2 x the largest training depth."""
-    eval_examples: int = 200
+    eval_examples: int = applies(TASK_DATA, default=200)
     """Task data: held-out examples per difficulty for exact-match accuracy."""
-    probe_examples: int = 1000
+    probe_examples: int = applies(TASK_DATA, default=1000)
     """Experiment: examples per probed difficulty for the linear probes (half fit, half test); 0 = no probes."""
-    baselines: tuple[str, ...] = ("untied_same_params", "untied_same_compute")
+    baselines: tuple[str, ...] = applies(TASK_DATA, default=("untied_same_params", "untied_same_compute"))
     """Experiment: models trained beside the looped one: untied_same_params, untied_same_compute, lstm."""
 
     def __post_init__(self) -> None:
@@ -339,13 +386,13 @@ class DataConfig:
 class OptimConfig:
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = applies(unless("optim.schedule", "constant"), default=0.1)
     """Final learning rate as a fraction of lr."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """Warmup then cosine decay, warmup-stable-decay, or constant after warmup."""
     warmup_steps: int = 20
     """Linear warmup steps."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = applies(when("optim.schedule", "wsd"), default=0.2)
     """wsd: fraction of steps spent in the final linear decay."""
     weight_decay: float = 0.1
     """AdamW decay on matrices; norms, biases and embeddings get none."""
@@ -392,22 +439,22 @@ class TrainConfig:
     """Several processes (`torchrun --nproc-per-node N -m looplm train`): ddp replicates the model and
     all-reduces gradients; fsdp shards parameters, gradients and optimizer state with FSDP2 (each
     prelude, core and coda block a unit). Applied from outside the model; docs/distributed.md."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = applies(STAGE_1, default=False)
     """Keep no activations inside core blocks during the forward: each core block visit in the backward
     window is recomputed in the backward (torch.utils.checkpoint, non-reentrant), applied from outside
     the model. Trades about one more core forward per step for memory; the numbers are unchanged."""
-    alignment_every: int = 0
+    alignment_every: int = applies(STAGE_1, default=0)
     """Every N steps (0 = never), measure DeepLoop's alignment of the shared core's per-visit gradients on
     the step's first micro-batch: ||sum_r g_r||^2 / sum_r ||g_r||^2 (1 decorrelated .. R coherent) and
     the visits' pairwise cosines, into metrics.jsonl. Each measurement costs one more forward and
     backward with R copies of the core (train/alignment.py)."""
-    mor_warmup_steps: int = 0
+    mor_warmup_steps: int = applies(unless("model.mor", "none"), default=0)
     """Mixture-of-Recursions: for this many first steps every token runs every round with weight 1 (the plain
     loop), then the router decides."""
     tensorboard: bool = False
     """Also write every metrics.jsonl row as TensorBoard scalars under RUN/tensorboard/ (the same numbers,
     the same names; runs/tensorboard.py). Needs the tensorboard package: pip install 'looplm[tensorboard]'."""
-    lockstep_check: Literal["start", "every"] = "start"
+    lockstep_check: Literal["start", "every"] = applies(unless("train.parallel", "none"), default="start")
     """With several processes: all-gather and compare every rank's forward rounds and backward window
     at the first micro-batch (start) or at every one (every: a debug mode, one small collective each)."""
     log_every: int = 10
@@ -420,9 +467,9 @@ class TrainConfig:
     """torch CPU threads (0 = torch default)."""
     stage: Literal[1, 2] = 1
     """1: train everything; 2: freeze the LM and train only the exit gate (Ouro stage II)."""
-    stage2_k: float = 50.0
+    stage2_k: float = applies(when("train.stage", 2), default=50.0)
     """Stage II: sharpness k of the continuation target sigmoid(k*(I - gamma))."""
-    stage2_gamma: float = 0.005
+    stage2_gamma: float = applies(when("train.stage", 2), default=0.005)
     """Stage II: loss improvement gamma below which continuing is not worth it."""
 
     def __post_init__(self) -> None:
@@ -450,6 +497,8 @@ class Recipe:
 
     def __post_init__(self) -> None:
         """Checks that span sections."""
+        for item in inapplicable(self.to_dict()):
+            raise UserError(f"recipe field {item.key}: {item.message}")
         max_r = self.depth.max_rounds
         if self.backward.window != "all":
             _check(self.backward.window <= max_r, "backward.window",
@@ -477,11 +526,6 @@ class Recipe:
                    "reads each token out once, after its routed depth: needs supervision.kind = final")
             _check(not self.train.alignment_every, "train.alignment_every",
                    "measures an unrouted core's visits; not available with model.mor")
-            defaults = SupervisionConfig()
-            only = {"token_choice": ("mor_aux",), "expert_choice": ("mor_balance", "mor_bias_rate")}[self.model.mor]
-            for name in only:
-                _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
-                       f"does not apply to model.mor = {self.model.mor!r}")
             if self.model.mor == "expert_choice":
                 R = self.depth.rounds
                 if not self.model.mor_capacity:      # MoR's schedule (N - i) / N: 1, 2/3, 1/3 at N = 3
@@ -489,25 +533,22 @@ class Recipe:
                     object.__setattr__(self, "model", dataclasses.replace(self.model, mor_capacity=capacity))
                 _check(len(self.model.mor_capacity) == R, "model.mor_capacity",
                        f"needs one share per round (depth.rounds = {R}), got {len(self.model.mor_capacity)}")
-        else:
-            defaults, trained = SupervisionConfig(), TrainConfig()
-            for name in ("mor_balance", "mor_z", "mor_bias_rate", "mor_aux"):
-                _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
-                       'applies to a routed loop: set model.mor = "token_choice" or "expert_choice"')
-            _check(self.train.mor_warmup_steps == trained.mor_warmup_steps, "train.mor_warmup_steps",
-                   'applies to a routed loop: set model.mor = "token_choice" or "expert_choice"')
-        if not self.model.moe_experts:
-            defaults = SupervisionConfig()
-            for name in ("moe_balance", "moe_z"):
-                _check(getattr(self.supervision, name) == getattr(defaults, name), f"supervision.{name}",
-                       "applies to an MoE core: set model.moe_experts > 0")
+        if self.supervision.kind == "learned_exit" or self.train.stage == 2:
+            # the last round's exit is forced, so at one round no hazard reaches a loss
+            _check(max_r >= 2, "exit.gate", "is trained only through the hazards of rounds before the last: "
+                   f"learned_exit and stage II need a largest forward depth >= 2 (it is {max_r})")
+        if self.data.depth_by_difficulty:
+            _check(self.depth.kind != "lognormal_poisson", "data.depth_by_difficulty",
+                   'draws each micro-batch\'s rounds uniformly (or runs depth.rounds): needs depth.kind = "fixed" '
+                   'or "uniform", not "lognormal_poisson"')
         if self.model.untied:
             _check(not self.train.alignment_every, "train.alignment_every",
                    "needs a shared core; the untied baseline has one block per visit")
             _check(self.depth.kind == "fixed", "model.untied",
                    "needs depth.kind = fixed (an untied stack has one block per visit)")
-        _check(self.data.seq_len <= self.model.context, "data.seq_len",
-               f"must be <= model.context ({self.model.context})")
+        if not self.data.task:     # task data is as long as its prompts (refused beyond the context)
+            _check(self.data.seq_len <= self.model.context, "data.seq_len",
+                   f"must be <= model.context ({self.model.context})")
         if self.data.tokenizer == "byte":
             _check(self.model.vocab_size >= 257, "model.vocab_size", "must be >= 257 for the byte tokenizer")
         else:
@@ -529,6 +570,55 @@ class Recipe:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if f.name != "name"}
+
+
+@dataclass(frozen=True)
+class Inapplicable:
+    key: str
+    """The field set away from its default."""
+    deciding: tuple[str, ...]
+    """The fields whose values make it inapplicable."""
+    message: str
+    """Which field(s) make it inapplicable, and what would make it apply."""
+
+
+def section_classes() -> dict[str, type]:
+    return {name: cls for name, cls in typing.get_type_hints(Recipe).items() if name != "name"}
+
+
+def _lookup(data: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".")
+    return data[section][name]
+
+
+def inapplicable(data: dict[str, Any]) -> list[Inapplicable]:
+    """Every field of a plain recipe dict (`Recipe.to_dict()`, or a partial dict: missing fields are
+    their defaults) that is set away from its default where its applicability rule fails."""
+    classes = section_classes()
+    full = {section: {f.name: _to_plain(_default(f)) for f in dataclasses.fields(cls)}
+            for section, cls in classes.items()}
+    for section, values in data.items():
+        if section in full and isinstance(values, dict):
+            full[section].update({k: _to_plain(v) for k, v in values.items() if k in full[section]})
+    out = []
+    for section, cls in classes.items():
+        for f in dataclasses.fields(cls):
+            value, default = full[section][f.name], _to_plain(_default(f))
+            if value == default:
+                continue
+            for cond in f.metadata.get("applies", ()):
+                seen = [_lookup(full, k) for k in cond.keys]
+                if not cond.test(*seen):
+                    now = ", ".join(f"{k} = {_words((v,))}" for k, v in zip(cond.keys, seen))
+                    out.append(Inapplicable(f"{section}.{f.name}", cond.keys,
+                                            f"does not apply with {now}; it applies only when {cond.text}. "
+                                            f"Leave it at its default {_words((default,)) if not isinstance(default, list) else default}"))
+                    break
+    return out
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 # ---------------------------------------------------------------------------------------
@@ -677,10 +767,41 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return data
 
 
+def resolve_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(`base` with dotted overrides applied, notes). A field the base recipe sets that an override
+    makes inapplicable (`--set depth.kind=fixed` on a recipe that sets depth.mean) goes back to its
+    default, and a note says so, so the resolved recipe never carries a value nothing reads; an
+    inapplicable field the overrides set themselves, or one the base recipe contradicts by itself, is
+    left for the recipe to refuse."""
+    data, notes = apply_overrides(base, overrides), []
+    changed = set(overrides)
+    while True:
+        drop = [item for item in inapplicable(data) if item.key not in overrides
+                and item.key.split(".")[1] in data.get(item.key.split(".")[0], {}) and changed & set(item.deciding)]
+        if not drop:
+            return data, notes
+        for item in drop:
+            section, name = item.key.split(".")
+            value = _toml_value(_to_plain(data[section].pop(name)))
+            notes.append(f"recipe: {item.key} = {value} (from the recipe) reset to its default: "
+                         + item.message.split(";")[0])
+            changed.add(item.key)
+
+
+def derive_recipe(base: dict[str, Any], overrides: dict[str, Any], quiet: bool = False) -> Recipe:
+    """A recipe from a base recipe dict and dotted overrides (`resolve_overrides`), validated; the notes
+    of fields reset go to stderr once the recipe is accepted (a refusal stays one line), unless quiet
+    (a recipe looplm derives for its own measurement, not one a user asked for)."""
+    data, notes = resolve_overrides(base, overrides)
+    recipe = recipe_from_dict(data)
+    for note in notes if not quiet else ():
+        log.warning(note)
+    return recipe
+
+
 def load_recipe(name_or_path: str = "quickstart", overrides: dict[str, Any] | None = None) -> Recipe:
     """Load a built-in (by name) or a TOML file (by path), apply dotted overrides, validate."""
-    data = apply_overrides(read_recipe_dict(name_or_path), overrides or {})
-    return recipe_from_dict(data)
+    return derive_recipe(read_recipe_dict(name_or_path), overrides or {})
 
 
 def _toml_value(v: Any) -> str:
@@ -704,8 +825,9 @@ def dump_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def field_docs() -> dict[str, list[tuple[str, str, str]]]:
-    """section -> [(field, default, docstring)], read from the attribute docstrings above (for docs/recipe.md)."""
+def field_docs() -> dict[str, list[tuple[str, str, str, str]]]:
+    """section -> [(field, default, docstring, applies when)], read from the attribute docstrings and the
+    applicability rules above (for docs/recipe.md)."""
     import ast
     import inspect
     out = {}
@@ -719,6 +841,7 @@ def field_docs() -> dict[str, list[tuple[str, str, str]]]:
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                 docs[a.target.id] = " ".join(b.value.value.split())  # one line: it lands in a table row
         hints = typing.get_type_hints(cls)
-        out[section] = [(f.name, _toml_value(_to_plain(f.default)), f"{_type_name(hints[f.name])}. {docs.get(f.name, '')}")
+        out[section] = [(f.name, _toml_value(_to_plain(_default(f))), f"{_type_name(hints[f.name])}. {docs.get(f.name, '')}",
+                         "; ".join(c.text for c in f.metadata.get("applies", ())) or "always")
                         for f in dataclasses.fields(cls)]
     return out

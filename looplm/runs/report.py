@@ -37,7 +37,12 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
               f"gradients through only the last {b.window} rounds: earlier rounds run without gradient (their "
               "state is a constant entering the window); a supervised readout or gate hazard at a round before "
               "the window trains only the coda, head and gate, never the core or prelude")
-    if s.kind == "final":
+    if r.train.stage == 2:
+        sup = "none for the language model (frozen)"
+    elif r.data.depth_by_difficulty:
+        sup = ("per micro-batch of one difficulty d (data.depth_by_difficulty): every round from d on (from round 1 "
+               "with trace targets), equal weights")
+    elif s.kind == "final":
         sup = "next-token loss on the final round only"
     elif s.kind == "rounds":
         sup = (f"losses at rounds {list(s.rounds)} with weights {list(s.round_weights)}, "
@@ -62,8 +67,10 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
         ("forward depth", depth),
         ("backward window", window),
         ("loss placement", sup),
-        ("exit", (f"exit gate trained; default policy {r.exit.policy}" if r.exit.gate
-                  else f"no exit gate; default policy {r.exit.policy}")),
+        ("exit", (("an exit gate (dense + sigmoid of the state each round), trained by "
+                   + ("stage II's continuation loss" if r.train.stage == 2 else "the learned-exit loss")
+                   + f" (whether it received gradient: under What happened); default policy {r.exit.policy}")
+                  if r.exit.gate else f"no exit gate; default policy {r.exit.policy}")),
         ("cache rule", "training runs whole sequences without a cache; at generation every round keeps its own "
                        "key/value history unless a cache policy says otherwise"),
     ] + ([("recursions", "Mixture-of-Recursions, expert choice: at round r a router on the state entering it keeps, "
@@ -92,6 +99,36 @@ def _hist_line(h: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in sorted(h.items(), key=lambda kv: int(kv[0])))
 
 
+def _memory_note(report: dict[str, Any]) -> str:
+    """How the peak RSS is scoped (this run's own and what it added, or the whole process's), and the
+    accelerator's peak where there is one."""
+    note, growth = "", report.get("rss_growth_bytes")
+    if report.get("peak_rss_scope") == "run":
+        note = " (this run's own" + (f"; {growth / 2**20:.0f} MiB above the RSS it started from"
+                                     if growth is not None else "") + ")"
+    elif report.get("peak_rss_scope") == "process":
+        note = " (the process's peak: the mark could not be reset for this run, so earlier work may be in it)"
+    if report.get("peak_device_memory_bytes"):
+        note += f", peak device memory {report['peak_device_memory_bytes'] / 2**20:.0f} MiB (this run's own)"
+    return note
+
+
+def _placement_lines(report: dict[str, Any]) -> list[str]:
+    """The loss weights and the exit gate as the trainer's record has them (absent from older reports)."""
+    place, out = report["loss_placement"], []
+    if "weights" in place and place.get("rounds"):
+        what = ("the gate's continuation loss, per decision after round" if place["kind"] == "stage2_gate"
+                else "loss weight per round")
+        out.append(f"- {what} ({place['kind']}; mean per micro-batch, as the loss weighed it): "
+                   + ", ".join(f"{r}: {w:.3f}" for r, w in zip(place["rounds"], place["weights"])))
+    gate = report.get("exit_gate")
+    if gate:
+        n, total = gate["steps_with_gradient"], gate["steps"]
+        out.append(f"- exit gate: received a nonzero gradient in {n} of {total} optimizer steps"
+                   + (" -- NEVER TRAINED: its hazards are its initialisation" if n == 0 else ""))
+    return out
+
+
 def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
     rec = report["recipe"]
     lines = [f"# Recipe card: {rec.get('name', 'run')}", "", "## Decisions", ""]
@@ -111,6 +148,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
               f"{_hist_line(report['loss_placement']['supervised_round_counts'])}"
               + (f"; {report['loss_placement']['fallback_to_final_steps']} fell back to the final round"
                  if report['loss_placement']['fallback_to_final_steps'] else ""),
+              *_placement_lines(report),
               f"- unique training tokens: {report['unique_tokens']:,} of {report['train_data_tokens']:,} available; "
               f"tokens consumed: {report['tokens_seen']:,}; token-passes (tokens x rounds): {report['token_passes']:,}",
               f"- parameters stored: {report['params_stored']:,}; applied per token at the mean depth: "
@@ -119,7 +157,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
               f"{report['train_flops']:.3e}",
               f"- final training loss (mean of last 10% of steps): {report['train_loss_final']:.4f}",
               f"- wall time {report['wall_time_s']:.1f} s, {report['tokens_per_s']:.0f} tokens/s, "
-              f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB",
+              f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB{_memory_note(report)}",
               "", "## Validation loss by rounds", "", "| rounds | loss | trained at this depth? |", "|---:|---:|---|"]
     never = set(report.get("val_rounds_never_trained", []))
     for r, loss in report["val_loss_by_rounds"].items():

@@ -19,7 +19,6 @@ core in memory (their parameters and gradients); nothing while the measurement i
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any, Callable
 
@@ -59,9 +58,10 @@ def visit_gradients(model, recipe, rounds: int, run_step: Callable[[Any, Any], A
     K = model.cfg.n_core
     copy = untied_copy(model, rounds).train()
     # the training recipe with an untied model (validated at its largest depth; the step's rounds are passed)
-    fixed = recipe.replace(model=dataclasses.replace(recipe.model, untied=True),
-                           depth=dataclasses.replace(recipe.depth, kind="fixed", rounds=recipe.depth.max_rounds),
-                           train=dataclasses.replace(recipe.train, alignment_every=0))
+    from ..recipe.config import derive_recipe
+    fixed = derive_recipe(recipe.to_dict(), {"model.untied": True, "depth.kind": "fixed",
+                                             "depth.rounds": recipe.depth.max_rounds, "train.alignment_every": 0},
+                          quiet=True)
     run_step(copy, fixed)
     visits, used = [], []
     for r in range(1, rounds + 1):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import sys
 import time
 from collections import Counter
@@ -28,8 +27,9 @@ from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_inde
                                repair_checkpoint, save_checkpoint, write_text)
 from ..recipe.config import Recipe, SupervisionConfig, load_recipe
 from .depth import depth_generator, expected_depth, sample_depth
-from ..device import autocast, compiled, grad_scaler, peak_device_memory_bytes, resolve_device
+from ..device import autocast, compiled, grad_scaler, resolve_device
 from ..errors import UserError
+from ..memory import RunMemory
 from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation_rounds
 from ..model.losses import placement, supervised_loss
 from ..model.flops import Visits, prelude_receives_gradient, train_flops_per_token
@@ -38,11 +38,6 @@ from ..model.recursions import depth_counts, update_bias
 from ..data.tokenizer import build_tokenizer, load_tokenizer
 from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core, close_world, full_tensor, init_world,
                        lockstep, no_sync, parallelize, rank_device, shard)
-
-
-def peak_rss_bytes() -> int:
-    # ru_maxrss is KiB on Linux
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
@@ -91,6 +86,13 @@ class Counters:
     train_flops: float = 0.0
     losses: list[float] = field(default_factory=list)
     train_time_s: float = 0.0
+    supervised_weights: Counter = field(default_factory=Counter)
+    """Round -> sum over micro-batches of the weight its loss carried (normalised per micro-batch; the
+    mean exit mass under learned_exit; the share of the gate's loss in stage II)."""
+    placement_kinds: Counter = field(default_factory=Counter)
+    """Index into PLACEMENT_KINDS -> micro-batches that used that loss placement."""
+    gate_grad_steps: int = 0
+    """Optimizer steps in which some exit-gate parameter received a nonzero gradient."""
     last_visits: Visits | None = None
     """The block visits of the last micro-batch, as counted into train_flops (not saved)."""
 
@@ -102,7 +104,11 @@ class Counters:
                 "readout_only_rounds": hist(self.readout_only_rounds),
                 "scalars": torch.tensor([self.fallback_steps, self.token_passes, self.tokens_seen], dtype=torch.long),
                 "floats": torch.tensor([self.train_flops, self.train_time_s], dtype=torch.float64),
-                "losses": torch.tensor(self.losses, dtype=torch.float64)}
+                "losses": torch.tensor(self.losses, dtype=torch.float64),
+                "supervised_weights": torch.tensor(sorted(self.supervised_weights.items()),
+                                                   dtype=torch.float64).reshape(-1, 2),
+                "placement_kinds": hist(self.placement_kinds),
+                "gate_grad_steps": torch.tensor(self.gate_grad_steps, dtype=torch.long)}
 
     @classmethod
     def from_state(cls, s: dict[str, torch.Tensor]) -> "Counters":
@@ -112,8 +118,17 @@ class Counters:
         flops, t = s["floats"].tolist()
         # readout_only_rounds is absent from checkpoints written before it was recorded
         readout_only = hist(s["readout_only_rounds"]) if "readout_only_rounds" in s else Counter()
-        return cls(hist(s["depth_histogram"]), hist(s["backward_histogram"]), hist(s["supervised_rounds"]),
-                   readout_only, fb, tp, ts, flops, s["losses"].tolist(), t)
+        out = cls(hist(s["depth_histogram"]), hist(s["backward_histogram"]), hist(s["supervised_rounds"]),
+                  readout_only, fb, tp, ts, flops, s["losses"].tolist(), t)
+        if "supervised_weights" in s:   # absent from checkpoints written before the placement was recorded
+            out.supervised_weights = Counter({int(k): v for k, v in s["supervised_weights"].tolist()})
+            out.placement_kinds = hist(s["placement_kinds"])
+            out.gate_grad_steps = int(s["gate_grad_steps"])
+        return out
+
+
+PLACEMENT_KINDS = ("final", "rounds", "every", "learned_exit", "stage2_gate")
+"""The loss placements a micro-batch can use: supervision.kind's four, and stage II's gate loss."""
 
 
 def prepare_data(recipe: Recipe, run_dir: Path, resume: bool, write: bool = True):
@@ -141,7 +156,8 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool, write: bool = True
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
                counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None,
                rounds: int | None = None, supervision=None, round_targets=None, forward=None, scaler=None,
-               world: World = SINGLE, rows: slice | None = None, check_lockstep: bool = False):
+               world: World = SINGLE, rows: slice | None = None, check_lockstep: bool = False,
+               valid: torch.Tensor | None = None):
     """Forward + backward for one micro-batch; returns (loss value, forward output, loss info).
     rounds / supervision, when given (task data by difficulty), replace the recipe's draws;
     round_targets(r) -> (targets, mask) gives each supervised round its own targets (task traces).
@@ -150,7 +166,9 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     initial-state noise is drawn for the whole batch and sliced, so every world size computes the
     same thing); check_lockstep: all-gather and compare this micro-batch's depth and window across
     processes (train.lockstep_check). Tensors are moved to the model's device here. The returned loss is this process's
-    share of the global mean (sum over processes = the global mean)."""
+    share of the global mean (sum over processes = the global mean). valid: (B, T) True at real inputs,
+    False at padding (task batches, TaskBatch.real_inputs); None: every input is real. Only real
+    inputs count as tokens seen and token-passes (the model runs the padding, but it is no data)."""
     device = model.embed.weight.device
     x, y = x.to(device), y.to(device)
     mask = mask.to(device) if mask is not None else None
@@ -183,7 +201,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         else:
             loss, info = supervised_loss(supervision, out, y, mask, round_targets)
             if out.aux_losses:             # routed models' auxiliary losses, each by its recipe weight
-                weights = aux_loss_weights(recipe, supervision)
+                weights = aux_loss_weights(recipe)
                 loss = loss + sum(weights[k] * v for k, v in out.aux_losses.items())
                 info = {**info, **{k: v.item() for k, v in out.aux_losses.items()}}
             if out.routed_depth is not None:
@@ -206,11 +224,15 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     counters.backward_histogram[len(out.grad_rounds)] += 1
     for r in place.rounds:
         counters.supervised_rounds[r] += 1
+    for r, w in info["round_weights"].items():   # what the loss actually weighed, from the loss itself
+        counters.supervised_weights[r] += w
+    counters.placement_kinds[PLACEMENT_KINDS.index("stage2_gate" if recipe.train.stage == 2 else supervision.kind)] += 1
     for r in out.readout_only_rounds:
         counters.readout_only_rounds[r] += 1
     counters.fallback_steps += int(place.fallback)
-    counters.tokens_seen += x.numel()
-    counters.token_passes += x.numel() * rounds
+    real = x.numel() if valid is None else int(valid.sum())
+    counters.tokens_seen += real
+    counters.token_passes += real * rounds
     # every visit that ran: the rounds, the backward over the window, each supervised readout (coda and
     # head, backward where it carries a loss), the prelude's backward where the gradient reaches it
     stage1 = recipe.train.stage == 1
@@ -223,8 +245,10 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     return loss.item() / world.size, out, info
 
 
-def aux_loss_weights(recipe: Recipe, supervision: SupervisionConfig) -> dict[str, float]:
-    """The recipe's weight for each auxiliary loss a routed model returns (`LoopOutput.aux_losses`)."""
+def aux_loss_weights(recipe: Recipe) -> dict[str, float]:
+    """The recipe's weight for each auxiliary loss a routed model returns (`LoopOutput.aux_losses`): from
+    the recipe's own supervision section, also where a task batch brings its own loss placement."""
+    supervision = recipe.supervision
     return {"moe_balance": supervision.moe_balance, "moe_z": supervision.moe_z,
             "mor_balance": supervision.mor_balance, "mor_z": supervision.mor_z, "mor_aux": supervision.mor_aux}
 
@@ -237,7 +261,9 @@ def stage2_loss(model: LoopedLM, recipe: Recipe, out, y: torch.Tensor, mask: tor
         per_round = torch.stack([token_losses(out.round_logits[r], y, mask) for r in range(1, out.rounds + 1)], -1)
     loss = stage2_gate_loss(per_round, out.hazards[..., :out.rounds], k=recipe.train.stage2_k,
                             gamma=recipe.train.stage2_gamma)
-    return loss, {"gate_loss": loss.item()}
+    # the BCE averages the R - 1 continue/stop decisions made after rounds 1..R-1
+    decisions = range(1, out.rounds)
+    return loss, {"gate_loss": loss.item(), "round_weights": {r: 1 / len(decisions) for r in decisions}}
 
 
 def round_diagnostics(out) -> dict[str, Any]:
@@ -272,6 +298,8 @@ def _barrier(world: World) -> None:
 
 def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after: int | None,
            init_from: str | Path | None, world: World, device: torch.device) -> dict[str, Any]:
+    # this run's own peak memory (data, training, final evaluation), not earlier runs' in this process
+    meter = RunMemory(device)
     if resume:
         if world.main:
             repair_checkpoint(run_dir)               # finish or discard a swap a kill interrupted
@@ -394,6 +422,10 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             counters.tokens_seen, counters.token_passes = (int(b + d) for b, d in zip(before_counts[:2], delta[:2]))
             counters.train_flops = before_counts[2] + delta[2]
             tok_window += int(delta[0]) - local_tokens          # tokens/s of the whole job
+        if model.gate is not None:   # the recipe card's gate line comes from these steps, not from the recipe
+            reached = sum(full_tensor(p.grad.detach().abs().sum()).item() for p in model.gate.parameters()
+                          if p.grad is not None)
+            counters.gate_grad_steps += int(reached > 0)
         clip = recipe.optim.grad_clip
         params = [p for g in opt.param_groups for p in g["params"]]
         scaler.unscale_(opt)        # clip the true gradients (a no-op unless fp16)
@@ -415,7 +447,7 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         if log_now:
             row = {"step": step, "loss": step_loss, "lr": lr, "rounds": depths, "grad_norm": gnorm,
                    "tokens_per_s": tok_window / max(1e-9, time.perf_counter() - t_window),
-                   "grad_rounds": list(out.grad_rounds), **{k: v for k, v in info.items() if k != "round_losses"}}
+                   "grad_rounds": list(out.grad_rounds), **{k: v for k, v in info.items() if k not in ("round_losses", "round_weights")}}
             if "round_losses" in info:
                 row["round_losses"] = {str(k): v for k, v in info["round_losses"].items()}
             row.update(round_diagnostics(out))
@@ -438,7 +470,9 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     bar.close()
     if metrics is not None:
         metrics.close()
-    peak_rss = all_gather_ints(world, [peak_rss_bytes(), peak_device_memory_bytes(device) or 0])
+    mem = meter.report()      # the other ranks' final figures (only rank 0 evaluates)
+    peak_rss = all_gather_ints(world, [mem["peak_rss_bytes"], mem["peak_device_memory_bytes"] or 0,
+                                       -1 if mem["rss_growth_bytes"] is None else mem["rss_growth_bytes"]])
     if total < recipe.train.steps:
         if tb is not None:
             tb.close()
@@ -453,13 +487,17 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     report["device"] = str(device)
     report["precision"] = recipe.train.dtype
     report["compiled"] = recipe.train.compile
-    report["peak_device_memory_bytes"] = peak_device_memory_bytes(device)
     report["parallel"] = parallel
     report["world_size"] = world.size
     report["global_batch"] = {"sequences_per_step": recipe.train.batch_size * accum,
                               "per_process_micro_batch": recipe.train.batch_size // world.size,
                               "processes": world.size, "grad_accum": accum}
+    mem = meter.report()      # after the final evaluation
+    report.update(mem)
+    peak_rss[0] = [mem["peak_rss_bytes"], mem["peak_device_memory_bytes"] or 0,
+                   -1 if mem["rss_growth_bytes"] is None else mem["rss_growth_bytes"]]
     report["peak_rss_bytes_per_rank"] = [r[0] for r in peak_rss]
+    report["rss_growth_bytes_per_rank"] = [None if r[2] < 0 else r[2] for r in peak_rss]
     report["peak_device_memory_bytes_per_rank"] = [r[1] or None for r in peak_rss]
     write_report(run_dir, report)
     if tb is not None:
@@ -508,15 +546,15 @@ def _plain_copy(recipe: Recipe, run_dir: Path, device: torch.device) -> LoopedLM
 def stage2_recipe(run: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
     """The recipe of `looplm train --stage2 RUN`: RUN's own recipe with train.stage = 2 and an exit
     gate, plus --set overrides (Ouro stage II: the LM frozen, only the gate trains)."""
-    from ..recipe.config import apply_overrides, read_recipe_dict, recipe_from_dict
+    from ..recipe.config import derive_recipe, read_recipe_dict
     src = Path(run)
     if not (src / "recipe.toml").is_file() or not (src / "checkpoint" / "model.safetensors").is_file():
         raise UserError(f"--stage2 {src}: not a finished looplm run (needs recipe.toml and checkpoint/model.safetensors)")
     data = read_recipe_dict(str(src / "recipe.toml"))
-    data.setdefault("train", {})["stage"] = 2
-    data.setdefault("exit", {})["gate"] = True
     data["name"] = f"{data.get('name', 'run')}-stage2"
-    recipe = recipe_from_dict(apply_overrides(data, overrides or {}))
+    # stage-I fields that stage II does not read (its loss placement, ...) go back to their defaults;
+    # the run they describe is recorded as init_from
+    recipe = derive_recipe(data, {"train.stage": 2, "exit.gate": True, **(overrides or {})})
     if recipe.train.stage != 2:
         raise UserError("--stage2: train.stage must stay 2 (the language model is frozen; only the gate trains)")
     return recipe
@@ -541,6 +579,18 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
     write_text(path, "".join(r + "\n" for r in rows))
+
+
+def placement_record(counters: Counters) -> dict[str, Any]:
+    """Loss placement as the trainer's per-micro-batch record has it: the kinds used (one, unless the
+    run mixed them), the rounds whose loss carried weight, and each one's weight averaged over every
+    micro-batch (0 where it was not read out; under learned_exit, its mean exit mass). The weights
+    sum to 1: each micro-batch's do."""
+    kinds = [PLACEMENT_KINDS[k] for k in sorted(counters.placement_kinds)]
+    rounds = sorted(r for r, w in counters.supervised_weights.items() if w > 0)
+    micro = max(1, sum(counters.placement_kinds.values()))
+    return {"kind": kinds[0] if len(kinds) == 1 else kinds, "rounds": rounds,
+            "weights": [counters.supervised_weights[r] / micro for r in rounds]}
 
 
 def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, val_tokens, run_dir: Path) -> dict:
@@ -568,7 +618,6 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
             from ..evaluation.routing import recursions_report
             extra["recursions"] = recursions_report(model, batches)
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
-    place = recipe.supervision
     return {
         "recipe": recipe.to_dict(),
         "steps": len(counters.losses),
@@ -583,16 +632,18 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         "expected_train_rounds": expected_depth(recipe.depth),
         "depth_histogram": {str(k): v for k, v in sorted(counters.depth_histogram.items())},
         "backward_histogram": {str(k): v for k, v in sorted(counters.backward_histogram.items())},
-        "loss_placement": {"kind": place.kind, "rounds": list(place.rounds), "weights": list(place.round_weights),
+        "loss_placement": {**placement_record(counters),
                            "supervised_round_counts": {str(k): v for k, v in sorted(counters.supervised_rounds.items())},
                            "readout_only_round_counts": {str(k): v for k, v in sorted(counters.readout_only_rounds.items())},
                            "fallback_to_final_steps": counters.fallback_steps},
+        **({"exit_gate": {"steps_with_gradient": counters.gate_grad_steps, "steps": len(counters.losses),
+                          "parameters": sum(p.numel() for p in model.gate.parameters())}}
+           if model.gate is not None else {}),
         "train_loss_final": sum(tail) / len(tail),
         "val_loss_by_rounds": {str(r): v["loss"] for r, v in val.items()},
         "val_rounds_never_trained": [r for r in rounds_list if r not in counters.depth_histogram],
         "wall_time_s": counters.train_time_s,
         "tokens_per_s": counters.tokens_seen / max(1e-9, counters.train_time_s),
-        "peak_rss_bytes": peak_rss_bytes(),
         "train_data_tokens": int(len(sampler.tokens)) if not task else task["train_data_tokens"],
         **task,
         **extra,
