@@ -43,7 +43,7 @@ A state that has settled (a fixed point, or a normalised state) gives about 1.0;
 for a slow approach to a fixed point but flags any growth like r^p with p >= log2(1.25) = 0.32:
 linear growth (each round adds an update that never cancels, 2.0x over the doubled depth) and
 random-walk growth (sqrt, 1.41x) both fail. 2.0 would pass exactly linear growth, the failure
-seen on quickstart (state RMS 23.9 at round 1 -> 384 at round 16)."""
+seen on quickstart (docs/checks.md has the measured figures)."""
 
 
 @dataclass
