@@ -238,3 +238,19 @@ def test_field_docs_are_one_line_each():
     for section, rows in field_docs().items():
         for name, _, doc, _ in rows:
             assert "\n" not in doc and "  " not in doc, f"{section}.{name}"
+
+
+def test_old_run_with_an_inapplicable_field_loads_it_at_its_default(trained_run, tmp_path, caplog, capsys):
+    # an older looplm wrote every field out, also ones nothing read (depth.mean on a fixed-depth run)
+    run = _copy(trained_run, tmp_path)
+    data = tomllib.loads((run / "recipe.toml").read_text())
+    data["depth"]["mean"] = 3.0
+    (run / "recipe.toml").write_text(dump_toml(data))
+    loaded = load_run(run)
+    assert loaded.recipe.depth.mean == 4.0 and "depth.mean" in caplog.text and "does not apply" in caplog.text
+    # a gate no loss reached is refused, not loaded as if trained
+    data["exit"]["gate"] = True
+    (run / "recipe.toml").write_text(dump_toml(data))
+    assert main(["eval", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "exit.gate" in err and "never received gradient" in err and len(err.strip().splitlines()) == 1

@@ -165,6 +165,10 @@ def load_run_recipe(run_dir: Path) -> tuple[Recipe, dict[str, Any]]:
     each logged as a warning: a run from an older looplm then says what it was assumed to use."""
     data = read_recipe_dict(str(Path(run_dir) / "recipe.toml"))
     for item in inapplicable(data):   # written out by a looplm that did not yet refuse it; never read
+        if item.key == "exit.gate":     # its weights are in the checkpoint, but no loss ever trained them
+            raise UserError(f"run {run_dir}: recipe.toml has exit.gate = true where {item.message.split(';')[0]}: "
+                            "its gate never received gradient (an older looplm trained it so); retrain with "
+                            "supervision.kind = \"learned_exit\", or train the gate with looplm train --stage2")
         section, name = item.key.split(".")
         value = data[section].pop(name)
         log.warning(f"run {run_dir}: recipe.toml sets {item.key} = {value!r}, which {item.message.split(';')[0]} "
