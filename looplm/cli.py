@@ -250,9 +250,15 @@ def _flag(option: str) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        from .serve import ServeLimits, serve
+        from .serve import API_KEY_ENV, ServeLimits, check_api_key, serve
     except ModuleNotFoundError as err:            # fastapi/uvicorn are the `serve` extra
         raise UserError(f"looplm serve needs {err.name}: pip install -c constraints.txt -e '.[serve]'") from None
+
+    api_key = args.api_key                        # the flag wins over the environment
+    if api_key is not None:
+        check_api_key(api_key, "--api-key")
+    elif os.environ.get(API_KEY_ENV) is not None:
+        api_key = check_api_key(os.environ[API_KEY_ENV], f"--api-key (from {API_KEY_ENV})")
 
     limits = ServeLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                          max_concurrent=args.max_concurrent, max_batch=args.max_batch,
@@ -267,7 +273,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    serve(args.run, host=args.host, port=args.port, limits=limits, engine_options=engine_options, device=args.device)
+    serve(args.run, host=args.host, port=args.port, limits=limits, engine_options=engine_options, device=args.device,
+          api_key=api_key)
     return 0
 
 
@@ -469,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
                          "(other rows step in between; 0 = a whole prompt at once)")
     sv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    sv.add_argument("--api-key", metavar="KEY",
+                    help="require the header 'Authorization: Bearer KEY' on /v1/* and the tokenizer endpoints "
+                         "(401 otherwise; /health stays open). Default: the environment variable LOOPLM_API_KEY; "
+                         "the flag wins when both are set. Without either the server is open")
     _device_arg(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -50,6 +50,10 @@ the token, as vLLM's does) and `/detokenize` (vLLM's shapes) that is what
 lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks.
 `presence_penalty`, `frequency_penalty` (on the output's tokens so far) and `logit_bias` are
 OpenAI's; `best_of` other than `n` and a non-empty `suffix` are refused, not ignored.
+With an API key (`looplm serve --api-key KEY`, or LOOPLM_API_KEY), `/v1/completions`, `/v1/models`
+and the tokenizer endpoints need `Authorization: Bearer KEY` (what OpenAI's clients send); a missing
+or wrong key gets 401 with `code: "invalid_api_key"` before the request is validated or runs
+(the keys are compared in constant time). `/health` stays open for load balancers.
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -58,6 +62,7 @@ seed 0, so that a model with a random initial loop state still answers a greedy 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -357,13 +362,41 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
                         content={"error": {"message": message, "type": kind, "param": param, "code": None}})
 
 
-def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimits | None = None) -> Any:
-    """The FastAPI app serving `engine` (the caller runs it, e.g. with uvicorn)."""
+API_KEY_ENV = "LOOPLM_API_KEY"
+"""The environment variable `looplm serve` reads its API key from when --api-key is absent."""
+
+
+def check_api_key(key: str, source: str = "--api-key") -> str:
+    """An API key as a server requires it: not empty, printable ASCII without spaces (as an HTTP
+    header carries it intact); UserError naming `source` otherwise (never echoing the key)."""
+    if not key:
+        raise UserError(f"{source}: the API key is empty; give a non-empty key, or no key for an open server")
+    if not all("!" <= ch <= "~" for ch in key):
+        raise UserError(f"{source}: the API key must be printable ASCII without spaces")
+    return key
+
+
+class _BadKey(Exception):
+    """A request to a protected endpoint without the server's API key (answered 401)."""
+
+
+def _unauthorized(message: str) -> Any:
+    from fastapi.responses import JSONResponse
+    return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                        content={"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                           "code": "invalid_api_key"}})
+
+
+def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimits | None = None,
+               api_key: str | None = None) -> Any:
+    """The FastAPI app serving `engine` (the caller runs it, e.g. with uvicorn). With `api_key`,
+    every endpoint but /health needs `Authorization: Bearer <api_key>`."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI
+    from fastapi import Depends, FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
+    from fastapi.security import HTTPBearer
 
     limits = limits or ServeLimits()
     if engine.tokenizer is None:
@@ -397,6 +430,29 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
     app = FastAPI(title="looplm", lifespan=lifespan)
     app.state.scheduler = sched
 
+    protected: list[Any] = []              # the dependencies of every endpoint but /health
+    if api_key is not None:
+        expected = check_api_key(api_key).encode("ascii")
+        bearer = HTTPBearer(auto_error=False, description="the key `looplm serve` was started with")
+
+        def key_error(cred: Any) -> str | None:
+            """Why these credentials (HTTPBearer's, None without a Bearer header) are refused; None if not."""
+            if cred is None:
+                return "missing API key: send the header Authorization: Bearer <key>"
+            given = cred.credentials.encode("latin-1")                     # headers are latin-1
+            return None if hmac.compare_digest(given, expected) else "incorrect API key provided"
+
+        async def authorize(cred=Depends(bearer)) -> None:   # noqa: B008 (FastAPI's idiom)
+            """Runs before the body is validated or anything is scheduled."""
+            if (why := key_error(cred)) is not None:
+                raise _BadKey(why)
+
+        protected = [Depends(authorize)]
+
+        @app.exception_handler(_BadKey)
+        async def on_bad_key(request: Request, exc: _BadKey) -> Any:
+            return _unauthorized(str(exc))
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Any:
         errs = exc.errors()
@@ -404,6 +460,8 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None              # the request field (not pydantic's union branch)
         if first.get("type") == "json_invalid":
+            if api_key is not None and (why := key_error(await bearer(request))) is not None:
+                return _unauthorized(why)            # FastAPI parses a body before the key's check
             return _error(400, "request body is not valid JSON", None)
         msg = first.get("msg", "invalid request")
         return _error(400, f"{param}: {msg}" if param else msg, param)
@@ -419,7 +477,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             "decode_cache": c.decode_cache, "missing_kv": c.missing, "speculative": c.speculative,
             "prefill_chunk": limits.prefill_chunk}       # what every request of this server runs
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=protected)
     async def models() -> Any:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm", "max_model_len": ctx, "looplm": loop}]}
@@ -448,25 +506,25 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             out[int(key)] = value
         return out
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", dependencies=protected)
     async def tokenizer_info() -> Any:
         """What a client that tokenizes through this server needs (lm-evaluation-harness's remote backend)."""
         return {"eos_token": EOS_TOKEN, "eos_token_id": engine.tokenizer.eos_id, "bos_token": None,
                 "pad_token": None, "vocab_size": engine.cfg.vocab_size, "model_max_length": ctx,
                 "tokenizer_class": type(engine.tokenizer).__name__}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=protected)
     async def tokenize(req: TokenizeRequest) -> Any:
         ids = encode_with_eos(engine.tokenizer, req.prompt)     # "<|eos|>" is the token, as vLLM's reads it
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=protected)
     async def detokenize(req: DetokenizeRequest) -> Any:
         if not all(0 <= t < engine.cfg.vocab_size for t in req.tokens):
             return _error(400, f"tokens: token ids must lie in [0, {engine.cfg.vocab_size})", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=protected)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
@@ -602,8 +660,9 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
 
 def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
-          engine_options: dict[str, Any] | None = None, log_level: str = "info", device: str = "cpu") -> None:
-    """Load a run and serve it until interrupted."""
+          engine_options: dict[str, Any] | None = None, log_level: str = "info", device: str = "cpu",
+          api_key: str | None = None) -> None:
+    """Load a run and serve it until interrupted (with `api_key`: only to clients that send it)."""
     import sys
 
     import uvicorn
@@ -612,9 +671,11 @@ def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: Se
 
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must lie in 0..65535")
+    if api_key is not None:
+        check_api_key(api_key)
     run = load_run(run_dir, device=device)
     engine = Engine.from_run(run, **(engine_options or {}))
-    app = create_app(engine, model_name=run.path.resolve().name, limits=limits)
-    print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r})",
-          file=sys.stderr)
+    app = create_app(engine, model_name=run.path.resolve().name, limits=limits, api_key=api_key)
+    print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r}"
+          f"{'; API key required' if api_key is not None else ''})", file=sys.stderr)   # never the key itself
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -620,3 +620,74 @@ def test_serve_without_the_serve_extra_says_what_to_install(monkeypatch, capsys)
     assert main(["serve", "some-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "fastapi" in err and "[serve]" in err
+
+
+def test_an_api_key_guards_every_endpoint_but_health():
+    """With `api_key`, /v1/completions, /v1/models and the tokenizer endpoints answer 401 (OpenAI's
+    invalid_api_key body) to a missing, wrong or non-Bearer key, before the body is validated and
+    without scheduling anything; the right key gets what a server without a key answers."""
+    import asyncio
+
+    from looplm.inference.engine import Engine
+    from looplm.serve import create_app
+
+    torch.manual_seed(0)
+    engine = Engine(looplm.build_model(looplm.load_recipe("quickstart", overrides=TINY)).eval(), ByteTokenizer())
+    batches = []
+    batch = engine.batch
+    engine.batch = lambda *a, **k: (batches.append(1), batch(*a, **k))[1]
+    key = "sk-looplm-test-0123"
+    ask = {"prompt": "hello", "max_tokens": 6, "temperature": 0}
+    calls = [("POST", "/v1/completions", ask), ("GET", "/v1/models", None), ("GET", "/tokenizer_info", None),
+             ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [104, 105]})]
+    refused = [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Basic {key}"},
+               {"Authorization": f"Bearer {key}x"}, {"Authorization": "Bearer"}]
+
+    async def scenario(app, headers, calls) -> list:
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return [await (c.request(m, path, content=body, headers={**headers, "Content-Type": "application/json"},
+                                         timeout=60) if isinstance(body, bytes) else
+                               c.request(m, path, json=body, headers=headers, timeout=60)) for m, path, body in calls]
+
+    guarded = create_app(engine, api_key=key)
+    invalid = [("POST", "/v1/completions", {"prompt": 5}), ("POST", "/tokenize", b"{not json")]   # 401 first
+    for headers in refused:
+        for r in asyncio.run(scenario(guarded, headers, calls + invalid)):
+            assert r.status_code == 401, (headers, r.request.url, r.text)
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["code"] == "invalid_api_key" and key not in r.text
+            assert r.headers["www-authenticate"] == "Bearer"
+    assert batches == []                                       # nothing was scheduled
+    health, = asyncio.run(scenario(guarded, {}, [("GET", "/health", None)]))
+    assert health.status_code == 200                           # load balancers need no key
+    allowed = asyncio.run(scenario(guarded, {"Authorization": f"Bearer {key}"}, calls + invalid))
+    assert [r.status_code for r in allowed] == [200] * len(calls) + [400, 400] and batches
+    opened = asyncio.run(scenario(create_app(engine), {}, calls))            # no key: open, as before
+    assert [r.status_code for r in opened] == [200] * len(calls)
+    assert allowed[0].json()["choices"][0]["text"] == opened[0].json()["choices"][0]["text"]
+    assert [r.json() for r in allowed[1:len(calls)]] == [r.json() for r in opened[1:]]
+
+
+def test_serve_takes_its_api_key_from_the_flag_else_the_environment(monkeypatch, capsys):
+    """--api-key, else LOOPLM_API_KEY (the flag wins); neither: no key. An empty key, from either,
+    is bad input: exit 2 with one line naming --api-key, and the server does not start."""
+    import looplm.serve
+    from looplm.cli import main
+
+    started = []
+    monkeypatch.setattr(looplm.serve, "serve", lambda run, **kw: started.append(kw["api_key"]))
+    monkeypatch.delenv("LOOPLM_API_KEY", raising=False)
+    assert main(["serve", "some-run"]) == 0 and started == [None]
+    assert main(["serve", "some-run", "--api-key", "from-flag"]) == 0 and started[-1] == "from-flag"
+    monkeypatch.setenv("LOOPLM_API_KEY", "from-env")
+    assert main(["serve", "some-run"]) == 0 and started[-1] == "from-env"
+    assert main(["serve", "some-run", "--api-key", "from-flag"]) == 0 and started[-1] == "from-flag"
+    capsys.readouterr()
+    for argv, env in [(["--api-key", ""], "from-env"), ([], ""), (["--api-key", "two words"], "from-env")]:
+        monkeypatch.setenv("LOOPLM_API_KEY", env)
+        assert main(["serve", "some-run", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--api-key" in err and "Traceback" not in err
+        assert ("LOOPLM_API_KEY" in err) == (argv == [])
+    assert len(started) == 4
