@@ -34,7 +34,7 @@ def _check(ok: bool, key: str, allowed: str) -> None:
 # Applicability: one rule for the whole recipe. A field that does not apply to the chosen kind,
 # mode or stage must stay at its default; otherwise the recipe is refused, naming the field and
 # the field(s) that make it inapplicable. Each field's rule is declared with the field itself
-# (`field(metadata=applies(...))`), so a reader sees it beside the docstring, and the enumeration
+# (`name: type = applies(when(...), default=...)`), so a reader sees it beside the docstring; the enumeration
 # test (tests/test_applicability.py) covers every field that declares one.
 
 @dataclass(frozen=True)
@@ -60,10 +60,9 @@ def unless(key: str, *values: Any) -> Condition:
     return Condition((key,), lambda v: v not in values, f"{key} is not {_words(values)}")
 
 
-def applies(*conditions: Condition, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field that applies only when every condition holds."""
-    kw = {"default": default} if factory is dataclasses.MISSING else {"default_factory": factory}
-    return field(**kw, metadata={"applies": conditions})
+def applies(*conditions: Condition, default: Any) -> Any:
+    """A dataclass field (of an immutable default) that applies only when every condition holds."""
+    return field(default=default, metadata={"applies": conditions})
 
 
 def _builtin_task(task: str) -> bool:
