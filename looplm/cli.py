@@ -62,6 +62,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from .data.prepared import prepare
+    from .recipe.config import load_recipe
+
+    recipe = load_recipe(args.recipe or "quickstart", _overrides(args.set))
+    m = prepare(args.source, args.out, recipe)
+    print(f"prepared {args.out}: {m['tokens']['train']} train / {m['tokens']['val']} val tokens "
+          f"({m['documents']['train']} / {m['documents']['val']} documents), {m['tokenizer']['kind']} tokenizer "
+          f"of {m['tokenizer']['vocab_size']} ids; train with --set data.path={args.out}", file=sys.stderr)
+    print(args.out)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from .runs.checkpoint import load_run
     from .evaluation.rounds import evaluate_rounds, eval_rounds_list
@@ -411,6 +424,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stage2", metavar="RUN", help="Ouro stage II: start from RUN's weights and recipe, train only "
                                                    "the exit gate (default --out RUN-stage2)")
     t.set_defaults(func=cmd_train)
+
+    dp = sub.add_parser("data", help="data tools")
+    dsub = dp.add_subparsers(dest="data_command", required=True)
+    dpp = dsub.add_parser("prepare", help="tokenize a text file, folder or JSONL file (\"text\" per line) once "
+                                          "into DIR; then train with --set data.path=DIR")
+    dpp.add_argument("source", help="text file, folder of text files, or .jsonl with a \"text\" field per line")
+    dpp.add_argument("--out", required=True, help="the prepared folder (train.bin, val.bin, tokenizer, manifest.json)")
+    dpp.add_argument("--recipe", help="built-in name or TOML path whose data.tokenizer, model.vocab_size, "
+                                      "data.max_bytes and data.val_fraction apply (default quickstart)")
+    dpp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    dpp.set_defaults(func=cmd_data_prepare)
 
     e = sub.add_parser("eval", help="held-out loss by rounds")
     e.add_argument("run")

@@ -14,10 +14,11 @@ every data-parallel rank can compute the same global batch without talking to th
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -147,32 +148,35 @@ def _name_score(name: str) -> float:
 
 # ----------------------------------------------------------------------------- token files
 
-def encode_to_memmap(docs: Sequence[Document], tokenizer: AnyTokenizer,
+def encode_to_memmap(docs: Iterable[Document], tokenizer: AnyTokenizer,
                      path: str | Path) -> np.memmap:
     """Tokenize each document, append eos after each, and write them to `path` (.bin).
 
+    `docs` may be a stream (a generator): only ENCODE_CHUNK_DOCS documents are held at once.
     A `.json` sidecar next to it records dtype and length. Returns a read-only memmap.
     """
     path = Path(path)
-    if not docs:
-        raise UserError(f"{path}: no documents to tokenize; train and validation each need "
-                        f"at least one, so the data must hold two or more documents")
     dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.uint32
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary name and rename, so a crash never leaves a truncated token file
     # that a later run would trust.
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per-process: ranks may race
-    length = 0
+    length = documents = 0
+    stream = iter(docs)
     with open(tmp, "wb") as f:
-        for start in range(0, len(docs), ENCODE_CHUNK_DOCS):
-            texts = [text for _, text in docs[start:start + ENCODE_CHUNK_DOCS]]
-            for ids in tokenizer.encode_batch(texts):
+        while chunk := [text for _, text in itertools.islice(stream, ENCODE_CHUNK_DOCS)]:
+            documents += len(chunk)
+            for ids in tokenizer.encode_batch(chunk):
                 ids.append(tokenizer.eos_id)
                 f.write(np.asarray(ids, dtype=dtype).tobytes())
                 length += len(ids)
+    if not documents:
+        tmp.unlink()
+        raise UserError(f"{path}: no documents to tokenize; train and validation each need "
+                        f"at least one, so the data must hold two or more documents")
     os.replace(tmp, path)
     sidecar = {"dtype": np.dtype(dtype).name, "length": length,
-               "vocab_size": tokenizer.vocab_size, "documents": len(docs)}
+               "vocab_size": tokenizer.vocab_size, "documents": documents}
     _sidecar_path(path).write_text(json.dumps(sidecar) + "\n", encoding="utf-8")
     return open_tokens(path)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..data import prepared
 from ..data import text as data_mod
 from ..runs.tensorboard import TensorBoardLog, require_tensorboard
 from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_index, optimizer_state_for,
@@ -35,7 +36,7 @@ from ..model.losses import placement, supervised_loss
 from ..model.flops import Visits, prelude_receives_gradient, train_flops_per_token
 from ..model.looped import LoopedLM, build_model
 from ..model.recursions import depth_counts, update_bias
-from ..data.tokenizer import build_tokenizer, load_tokenizer
+from ..data.tokenizer import load_tokenizer
 from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core, close_world, full_tensor, init_world,
                        lockstep, no_sync, parallelize, rank_device, shard)
 
@@ -142,15 +143,12 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool, write: bool = True
     if resume and (ddir / "train.bin").exists():
         tok = load_tokenizer(run_dir / "checkpoint")
         return tok, data_mod.open_tokens(ddir / "train.bin"), data_mod.open_tokens(ddir / "val.bin")
+    if prepared.is_prepared(recipe.data.path):   # `looplm data prepare` output: its tokens, not the text again
+        return prepared.use_prepared(recipe, recipe.data.path, run_dir)
     docs = data_mod.read_documents(recipe.data.path or None, recipe.data.max_bytes)
     train_docs, val_docs = data_mod.split_documents(docs, recipe.data.val_fraction)
-    tok = build_tokenizer(recipe.data.tokenizer, (t for _, t in train_docs), recipe.model.vocab_size)
-    if tok.vocab_size > recipe.model.vocab_size:
-        raise UserError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
-    tok.save(run_dir / "checkpoint")
-    train = data_mod.encode_to_memmap(train_docs, tok, ddir / "train.bin")
-    val = data_mod.encode_to_memmap(val_docs, tok, ddir / "val.bin")
-    return tok, train, val
+    return prepared.tokenize_splits(recipe.data.tokenizer, recipe.model.vocab_size, lambda: train_docs,
+                                    lambda: val_docs, run_dir / "checkpoint", ddir)
 
 
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
