@@ -58,6 +58,15 @@ def test_prepared_folder_trains_like_the_text(tmp_path, text_dir, monkeypatch):
         assert (tmp_path / "from_text" / "data" / split).read_bytes() == prepared
     assert (tmp_path / "from_prep" / "checkpoint" / "tokenizer_config.json").is_file()
     assert losses(tmp_path / "from_prep") == losses(tmp_path / "from_text")
+    # eval --data DIR scores DIR's held-out split: for the run trained on the text, its own val split
+    import contextlib
+    import io
+    out = {}
+    for key, extra in (("own", []), ("prep", ["--data", str(prep)])):
+        with contextlib.redirect_stdout(io.StringIO()) as buf:
+            assert main(["eval", str(tmp_path / "from_text"), "--rounds", "1,3", "--json", *extra]) == 0
+        out[key] = json.loads(buf.getvalue())["rounds"]
+    assert out["prep"] == out["own"]
 
 
 def test_jsonl_source_one_document_per_line(tmp_path):
@@ -82,6 +91,13 @@ def test_recipe_disagreeing_with_the_manifest_is_refused(tmp_path, text_dir, cap
     assert main(["data", "prepare", str(text_dir), "--out", str(prep),
                  "--set", "data.tokenizer=bpe", "--set", "model.vocab_size=300"]) == 0
     capsys.readouterr()
+    # a run with another tokenizer cannot be scored on these tokens (looplm eval RUN --data DIR)
+    from looplm.data.prepared import prepared_eval_tokens
+    from looplm.data.tokenizer import ByteTokenizer, load_tokenizer
+    from looplm.errors import UserError
+    with pytest.raises(UserError, match="not this run's"):
+        prepared_eval_tokens(prep, ByteTokenizer())
+    assert len(prepared_eval_tokens(prep, load_tokenizer(prep))) == len(data_mod.open_tokens(prep / "val.bin"))
     run = ["train", "--out", str(tmp_path / "run"), *sets(**{"data.path": prep})]
     assert "data.tokenizer" in refusal(capsys, run)
     assert "model.vocab_size" in refusal(capsys, run + ["--set", "data.tokenizer=bpe", "--set", "model.vocab_size=320"])

@@ -179,6 +179,25 @@ def use_prepared(recipe, directory: str | Path, run_dir: Path) -> tuple[AnyToken
     return tok, data_mod.open_tokens(ddir / "train.bin"), data_mod.open_tokens(ddir / "val.bin")
 
 
+def prepared_eval_tokens(directory: str | Path, tokenizer: AnyTokenizer) -> Any:
+    """DIR's held-out split (val.bin) for `looplm eval RUN --data DIR`, when DIR was tokenized as the run
+    is: the same tokenizer kind, and for BPE the same merges (the tokenizer files compared byte for byte,
+    through a save of the run's tokenizer); UserError naming DIR otherwise."""
+    import tempfile
+    directory = Path(directory)
+    m = read_manifest(directory)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(tmp)
+        ours = {name: (Path(tmp) / name).read_bytes() for name in (CONFIG_FILE, BPE_FILE) if (Path(tmp) / name).is_file()}
+    theirs = {name: (directory / name).read_bytes() for name in ours if (directory / name).is_file()}
+    if ours != theirs:
+        raise UserError(f"--data {directory}: prepared with a {m['_kind']} tokenizer that is not this run's; "
+                        "prepare it again with the run's recipe (looplm data prepare SOURCE --recipe RUN/recipe.toml)")
+    if not (directory / "val.bin").is_file():
+        raise UserError(f"{directory / 'val.bin'}: missing from the prepared folder; run `looplm data prepare` again")
+    return data_mod.open_tokens(directory / "val.bin")
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     """Token arrays (.bin): a hard link where the file system allows (no copy of a large corpus);
     re-preparing DIR replaces them by rename (new inodes), so a run's linked tokens never change

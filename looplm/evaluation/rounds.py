@@ -66,7 +66,10 @@ def eval_batches_for(run, data_path: str | None = None, max_batches: int | None 
         raise UserError(f"--batch-size: expected a positive integer, got {batch_size}")
     recipe = run.recipe
     n = max_batches or recipe.train.eval_batches
-    if data_path:
+    from ..data.prepared import is_prepared, prepared_eval_tokens
+    if is_prepared(data_path):          # `looplm data prepare`'s folder: its held-out split, as tokenized
+        tokens = prepared_eval_tokens(data_path, run.tokenizer)
+    elif data_path:
         import tempfile
         from pathlib import Path
         docs = data_mod.read_documents(data_path, recipe.data.max_bytes)
