@@ -305,7 +305,7 @@ def check_exit_masses(run: Run) -> CheckResult:
     from .halting import hazards_to_masses
     R = run.recipe.depth.max_rounds
     h = run.model(_sample_ids(run, 16), R).hazards                    # (B, T, R)
-    lib = hazards_to_masses(h).double()                               # (B, T, R)
+    lib = hazards_to_masses(h).double().cpu()                         # (B, T, R), beside the hand's on the CPU
     hand = torch.tensor([_masses_by_hand(row) for row in h.double().reshape(-1, R).tolist()],
                         dtype=torch.float64).reshape(lib.shape)       # (B, T, R)
     diff = (lib - hand).abs().max().item()

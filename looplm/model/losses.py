@@ -71,8 +71,9 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
                                    reduce=False)
         total = mean_loss(terms.total, mask)
         with torch.no_grad():   # the weight each round's loss carried: its exit mass, averaged over scored tokens
-            mean_mass = [mean_loss(masses[..., i] if mask is None else masses[..., i] * mask, mask).item()
-                         for i in range(out.rounds)]
+            m = masses if mask is None else masses * mask[..., None]                       # (B, T, R)
+            mean_mass = (m.flatten(0, 1).sum(0) / (masses.shape[0] * masses.shape[1] if mask is None
+                                                    else mask.sum().clamp_min(1))).tolist()  # (R,), one host sync
         info = {"task_loss": mean_loss(terms.task, mask).item(), "regulariser": mean_loss(terms.regulariser, mask).item(),
                 "mean_exit_round": mean_loss((masses * torch.arange(1, out.rounds + 1, device=masses.device)).sum(-1), mask).item(),
                 "round_weights": dict(enumerate(mean_mass, start=1))}

@@ -421,9 +421,8 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             counters.train_flops = before_counts[2] + delta[2]
             tok_window += int(delta[0]) - local_tokens          # tokens/s of the whole job
         if model.gate is not None:   # the recipe card's gate line comes from these steps, not from the recipe
-            reached = sum(full_tensor(p.grad.detach().abs().sum()).item() for p in model.gate.parameters()
-                          if p.grad is not None)
-            counters.gate_grad_steps += int(reached > 0)
+            sums = [full_tensor(p.grad.detach().abs().sum()) for p in model.gate.parameters() if p.grad is not None]
+            counters.gate_grad_steps += int(bool(sums) and torch.stack(sums).sum().item() > 0)   # one host sync
         clip = recipe.optim.grad_clip
         params = [p for g in opt.param_groups for p in g["params"]]
         scaler.unscale_(opt)        # clip the true gradients (a no-op unless fp16)
