@@ -40,6 +40,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .recipe.config import load_recipe
     from .train.trainer import train
 
+    if args.stage2 and args.init:
+        raise UserError("--stage2 RUN already starts from RUN's weights; drop --init")
     if args.stage2:  # Ouro stage II: RUN's recipe and weights, only the exit gate trains
         from .train.trainer import stage2_recipe
         if args.recipe:
@@ -47,6 +49,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         recipe = stage2_recipe(args.stage2, _overrides(args.set))
         out = args.out or f"{args.stage2.rstrip('/')}-stage2"
         report = train(recipe, out, resume=args.resume, init_from=args.stage2)
+    elif args.init:  # continue training a run's weights (an imported pretrained model, a finished run)
+        from .train.trainer import init_recipe
+        recipe = init_recipe(args.init, args.recipe, _overrides(args.set))
+        out = args.out or f"{args.init.rstrip('/')}-trained"
+        report = train(recipe, out, resume=args.resume, init_from=args.init)
     else:
         recipe = load_recipe(args.recipe or "quickstart", _overrides(args.set))
         if not args.out and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -58,6 +65,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"run written to {out}: train loss {report['train_loss_final']:.4f}, "
           f"val loss by rounds {json.dumps(report['val_loss_by_rounds'])}", file=sys.stderr)
+    print(out)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .interop.hf_import import import_hf
+
+    out = import_hf(args.hf_dir, args.out, prelude=args.prelude, core=args.core, coda=args.coda,
+                    rounds=args.rounds, core_blocks=args.core_blocks, context=args.context)
+    record = json.loads((out / "import.json").read_text())
+    print(f"imported {record['family']} ({record['layers']} layers) into {out}: prelude {len(record['prelude'])}, "
+          f"core {record['core'][0]}..{record['core'][-1]} as {record['core_blocks']} shared block(s) x "
+          f"{record['rounds']} round(s), coda {len(record['coda'])}"
+          + (f", dropped layers {record['dropped']}" if record["dropped"] else ""), file=sys.stderr)
     print(out)
     return 0
 
@@ -423,7 +444,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     t.add_argument("--stage2", metavar="RUN", help="Ouro stage II: start from RUN's weights and recipe, train only "
                                                    "the exit gate (default --out RUN-stage2)")
+    t.add_argument("--init", metavar="RUN", help="start from RUN's weights and tokenizer (e.g. a `looplm import`ed "
+                                                 "model) with every training control; the recipe is RUN's unless "
+                                                 "--recipe (whose model section must be RUN's)")
     t.set_defaults(func=cmd_train)
+
+    im = sub.add_parser("import", help="a Hugging Face causal LM (Llama, Mistral, Qwen2/3, Gemma 3) as a looped run")
+    im.add_argument("hf_dir", help="a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    im.add_argument("--out", required=True, help="the run folder to write")
+    im.add_argument("--prelude", type=int, metavar="N", help="the first N layers run once before the loop (default 0)")
+    im.add_argument("--core", metavar="I:J", help="layers I..J-1 become the shared core (default: every layer "
+                                                  "between prelude and coda)")
+    im.add_argument("--coda", type=int, metavar="M", help="the last M layers run once after the loop (default 0)")
+    im.add_argument("--rounds", type=int, default=1, help="rounds of the core (default 1: the pretrained stack)")
+    im.add_argument("--core-blocks", type=int, default=0, metavar="K",
+                    help="a shared core of K blocks, each the mean of the span's layers at its position in every "
+                         "group of K (default: the whole span, one copy of each layer)")
+    im.add_argument("--context", type=int, help="the run's context (default min(max_position_embeddings, sliding "
+                                                "window, 2048))")
+    im.set_defaults(func=cmd_import)
 
     dp = sub.add_parser("data", help="data tools")
     dsub = dp.add_subparsers(dest="data_command", required=True)

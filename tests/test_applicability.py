@@ -37,6 +37,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "model.init_state": [("zeros", {}), ("prelude", {}), ("random", {})],
     "model.residual_scaling": [("none", {}), ("deeploop", {})],
     "model.moe_experts": [(0, {}), (4, {})],
+    "model.rope_scaling": [("none", {}), ("linear", {}), ("llama3", {})],
     "model.mor": [("none", {}), ("token_choice", {"depth.kind": "fixed"}),
                   ("expert_choice", {"depth.kind": "fixed", "depth.rounds": 1, "backward.window": "all"})],
     "optim.schedule": [("cosine", {}), ("wsd", {}), ("constant", {})],

@@ -36,7 +36,13 @@ def tokenize_splits(kind: str, vocab_size: int, train_docs: Callable[[], Iterabl
     data_dir/train.bin and val.bin. The split arguments return a fresh stream on each call (a BPE
     is trained on one pass, the encoding is another). Returns (tokenizer, train, val) memmaps.
     The one path both the trainer and `looplm data prepare` take, so their tokens are the same."""
-    tok = build_tokenizer(kind, (t for _, t in train_docs()), vocab_size)
+    if kind == "pretrained":    # the tokenizer of the run training starts from, already copied in (--init)
+        if not (Path(tok_dir) / CONFIG_FILE).is_file():
+            raise UserError("data.tokenizer = \"pretrained\" uses the tokenizer of the run training starts "
+                            "from: train with --init RUN")
+        tok = load_tokenizer(tok_dir)
+    else:
+        tok = build_tokenizer(kind, (t for _, t in train_docs()), vocab_size)
     if tok.vocab_size > vocab_size:
         raise UserError(f"model.vocab_size {vocab_size} is smaller than the tokenizer's {tok.vocab_size}")
     tok.save(tok_dir)

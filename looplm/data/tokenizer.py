@@ -25,7 +25,7 @@ from ..errors import UserError
 EOS_TOKEN = "<|eos|>"
 CONFIG_FILE = "tokenizer_config.json"
 BPE_FILE = "tokenizer.json"
-KINDS = ("byte", "bpe")
+KINDS = ("byte", "bpe", "pretrained")
 
 
 class ByteTokenizer:
@@ -95,7 +95,44 @@ class BPETokenizer:
         _write_config(directory, "bpe")
 
 
-AnyTokenizer = ByteTokenizer | BPETokenizer
+class PretrainedTokenizer:
+    """A pretrained model's own tokenizer (`tokenizer.json`, e.g. brought in by `looplm import`), used as
+    it is: encode adds no special tokens (documents are joined with `eos_id` as every looplm stream is),
+    `bos_id` is kept for callers that want the model's start-of-text token."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int, bos_id: int | None = None) -> None:
+        self._tok, self.eos_id, self.bos_id = tokenizer, int(eos_id), bos_id
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for: byte-level BPE symbols (GPT-2's table: Llama 3, Qwen),
+        SentencePiece byte fallback `<0xNN>` and `▁` for a space (Llama 2, Gemma); b"" for special tokens."""
+        symbols = self._tok.id_to_token(int(token))
+        if symbols is None or token in (self.eos_id, self.bos_id):
+            return b""
+        if len(symbols) == 6 and symbols.startswith("<0x") and symbols.endswith(">"):
+            return bytes([int(symbols[3:5], 16)])
+        if all(c in _BYTE_OF_SYMBOL for c in symbols):
+            return bytes(_BYTE_OF_SYMBOL[c] for c in symbols)
+        return symbols.replace("\u2581", " ").encode("utf-8")
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(directory / BPE_FILE))
+        _write_config(directory, "pretrained", eos_id=self.eos_id, bos_id=self.bos_id)
+
+
+AnyTokenizer = ByteTokenizer | BPETokenizer | PretrainedTokenizer
 
 _PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
 _BYTE_OF_SYMBOL = {chr(b): b for b in _PRINTABLE}
@@ -145,6 +182,9 @@ def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> AnyToke
         return ByteTokenizer()
     if kind == "bpe":
         return train_bpe(texts, vocab_size)
+    if kind == "pretrained":
+        raise UserError("data.tokenizer = \"pretrained\" uses the tokenizer of the run training starts from: "
+                        "train with --init RUN")
     raise UserError(f"tokenizer kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
@@ -163,12 +203,21 @@ def load_tokenizer(directory: str | Path) -> AnyTokenizer:
             return BPETokenizer(Tokenizer.from_file(str(bpe_path)))
         except Exception as exc:  # the Rust loader raises a bare Exception on bad JSON
             raise UserError(f"{bpe_path}: not a valid tokenizers file ({exc})") from exc
+    if kind == "pretrained":
+        config = _read_config(config_path)
+        path = directory / BPE_FILE
+        try:
+            return PretrainedTokenizer(Tokenizer.from_file(str(path)), config["eos_id"], config.get("bos_id"))
+        except KeyError:
+            raise UserError(f"{config_path}: a pretrained tokenizer's config needs its eos_id") from None
+        except Exception as exc:  # the Rust loader raises a bare Exception on a missing file or bad JSON
+            raise UserError(f"{path}: not a readable tokenizers file ({exc})") from exc
     raise UserError(f"{config_path}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def _write_config(directory: Path, kind: str) -> None:
+def _write_config(directory: Path, kind: str, **extra: int | None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_FILE).write_text(json.dumps({"kind": kind}) + "\n", encoding="utf-8")
+    (directory / CONFIG_FILE).write_text(json.dumps({"kind": kind, **extra}) + "\n", encoding="utf-8")
 
 
 def _read_config(path: Path) -> dict:

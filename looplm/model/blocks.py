@@ -1,5 +1,8 @@
-"""The transformer block, written once: RoPE, grouped-query attention (PyTorch SDPA) with a head width of
-its own, SwiGLU, RMSNorm; pre-norm, sandwich norm or DeepLoop's scaled residual.
+"""The transformer block, written once: RoPE (optionally stretched), grouped-query attention (PyTorch SDPA)
+with a head width of its own (optional q/k/v biases, QK-norm, softmax scale), a gated FFN (SwiGLU or
+GeGLU), RMSNorm; pre-norm, sandwich norm or DeepLoop's scaled residual. The options beyond looplm's own
+defaults are the pretrained families' details (Llama, Qwen2/3, Mistral, Gemma 3), so an imported model
+runs on these same blocks (interop/hf_import.py).
 
 Every product goes through an `Ops` backend: `EAGER` (plain PyTorch, autograd, any device) is the
 reference; inference backends (inference/kernels.py) supply pre-laid-out weights for the same
@@ -8,6 +11,7 @@ products. Shapes: x (B, T, d); q (B, H, T, Dh); k, v (B, Hkv, T, Dh).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,10 +21,25 @@ from torch import Tensor, nn
 from ..recipe.config import ModelConfig
 
 
-def rope_tables(head_dim: int, length: int, base: float) -> tuple[Tensor, Tensor]:
+def rope_frequencies(cfg: ModelConfig) -> Tensor:
+    """(Dh/2,) angular frequency of each rotated pair: base^(-2i/Dh), stretched by model.rope_scaling."""
+    inv = 1.0 / cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+    if cfg.rope_scaling == "linear":
+        return inv / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        # Llama 3.1: wavelengths longer than original/low are stretched by the factor, those shorter
+        # than original/high kept (they resolve nearby tokens), a linear blend in between
+        wavelength = 2 * math.pi / inv
+        blend = ((cfg.rope_original_context / wavelength - cfg.rope_low_freq_factor)
+                 / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)).clamp(0, 1)
+        return (1 - blend) * inv / cfg.rope_factor + blend * inv
+    return inv
+
+
+def rope_tables(cfg: ModelConfig, length: int) -> tuple[Tensor, Tensor]:
     """(L, Dh) cos and signed sin tables, each frequency twice, so that one multiply-add rotates
     every (x_i, x_{i+Dh/2}) pair: rope(x) = x * cos + swap_halves(x) * sin."""
-    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv = rope_frequencies(cfg)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv)  # (L, Dh/2)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
@@ -58,18 +77,32 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.qkv_bias
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # every attention path (SDPA here, the caches' `sdpa`) uses SDPA's default 1/sqrt(Dh); another
+        # scale is folded into the queries once, so no cache needs to know it
+        self.q_scale = cfg.attn_scale * math.sqrt(cfg.head_dim) if cfg.attn_scale else 1.0
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None,
                 ops: Ops = EAGER) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.dh
-        qkv = ops.linear(x, self.q.weight, self.k.weight, self.v.weight).view(B, T, H + 2 * Hkv, Dh)
-        qk = apply_rope(qkv[:, :, :H + Hkv], *rope)                            # q and k rotated at once
+        qkv = ops.linear(x, self.q.weight, self.k.weight, self.v.weight)
+        if self.q.bias is not None:
+            qkv = qkv + torch.cat([self.q.bias, self.k.bias, self.v.bias])
+        qkv = qkv.view(B, T, H + 2 * Hkv, Dh)
+        qk = qkv[:, :, :H + Hkv]
+        if self.q_norm is not None:                                            # per head, before RoPE
+            qk = torch.cat([rms_norm(self.q_norm, qk[:, :, :H]), rms_norm(self.k_norm, qk[:, :, H:])], dim=2)
+        qk = apply_rope(qk, *rope)                                             # q and k rotated at once
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)      # (B, H, T, Dh), (B, Hkv, T, Dh)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         v = qkv[:, :, H + Hkv:].transpose(1, 2)                                # (B, Hkv, T, Dh)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=Hkv != H)
@@ -102,16 +135,26 @@ def round_visibility(query_pos: Tensor, key_ran: Tensor | None, length: int) -> 
     return seen | (keys == pos)
 
 
+def gate_activation(cfg: ModelConfig):
+    """The gated FFN's nonlinearity on its gate branch: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+    if cfg.activation == "gelu_tanh":
+        return lambda g: F.gelu(g, approximate="tanh")
+    return F.silu
+
+
 class SwiGLU(nn.Module):
+    """The gated FFN: down(act(gate(x)) * up(x)); act per model.activation (SwiGLU by default)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
         self.down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.act = gate_activation(cfg)
 
     def forward(self, x: Tensor, ops: Ops = EAGER) -> Tensor:
         g, u = ops.linear(x, self.gate.weight, self.up.weight).chunk(2, dim=-1)
-        return ops.linear(F.silu(g) * u, self.down.weight)
+        return ops.linear(self.act(g) * u, self.down.weight)
 
 
 class Block(nn.Module):

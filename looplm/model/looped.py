@@ -111,7 +111,7 @@ class LoopedLM(nn.Module):
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_base)
+        cos, sin = rope_tables(cfg, cfg.context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if cfg.init_state == "random":  # eval mode's fixed initial state (seed 0), moved with the model
@@ -128,7 +128,9 @@ class LoopedLM(nn.Module):
                 continue
             seen.add(id(p))
             if p.dim() < 2:
-                continue  # norms keep weight 1; biases set below
+                if name.endswith(("attn.q.bias", "attn.k.bias", "attn.v.bias")):
+                    nn.init.zeros_(p)
+                continue  # norms keep weight 1; the gate's bias set below
             std = cfg.init_std
             if name.endswith(("attn.o.weight", "mlp.down.weight", "mlp.down")):      # mlp.down: MoE experts
                 std = std / math.sqrt(2 * visits)
@@ -248,6 +250,8 @@ class LoopedLM(nn.Module):
 
     def encode(self, idx: Tensor, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
         x = self.embed(idx)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         for i, block in enumerate(self.prelude):
             x = block(x, rope, cache, ("prelude", 0, i), ops)
         return x

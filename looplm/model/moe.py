@@ -50,6 +50,8 @@ class MoEFFN(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        from .blocks import gate_activation        # blocks imports this module lazily: no cycle
+        self.act = gate_activation(cfg)
         E, h, d = cfg.moe_experts, cfg.moe_hidden, cfg.d_model
         self.n_experts, self.top_k, self.hidden = E, cfg.moe_top_k, h
         self.router = nn.Linear(d, E, bias=False)
@@ -79,7 +81,7 @@ class MoEFFN(nn.Module):
             idx = order[start:start + n]
             rows = tokens[start:start + n]
             g, u = F.linear(xf[rows], self.gate_up[e]).chunk(2, dim=-1)   # (n, h) each
-            y = F.linear(F.silu(g) * u, self.down[e])                     # (n, d)
+            y = F.linear(self.act(g) * u, self.down[e])                   # (n, d)
             out.index_add_(0, rows, y * w.flatten()[idx].unsqueeze(-1))
             start += n
         return out.view(shape)

@@ -119,6 +119,28 @@ class ModelConfig:
     """Baseline: replace the shared core by n_core*depth.rounds distinct blocks (needs depth.kind = fixed)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    """How RoPE's frequencies are stretched for a longer context (imported models carry their own): none;
+    linear = every frequency divided by rope_factor (position interpolation); llama3 = Llama 3.1's rule (low
+    frequencies divided by rope_factor, high ones kept, a smooth blend between)."""
+    rope_factor: float = applies(unless("model.rope_scaling", "none"), default=8.0)
+    """The stretch factor of rope_scaling."""
+    rope_low_freq_factor: float = applies(when("model.rope_scaling", "llama3"), default=1.0)
+    """llama3: wavelengths above rope_original_context / this are fully stretched."""
+    rope_high_freq_factor: float = applies(when("model.rope_scaling", "llama3"), default=4.0)
+    """llama3: wavelengths below rope_original_context / this are kept."""
+    rope_original_context: int = applies(when("model.rope_scaling", "llama3"), default=8192)
+    """llama3: the context the frequencies were trained for before stretching."""
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated FFN's activation: silu (SwiGLU, Llama/Qwen) or gelu_tanh (GeGLU with tanh-approximated GELU, Gemma)."""
+    qkv_bias: bool = False
+    """Biases on the query/key/value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's width on queries and keys, before RoPE (Qwen3, Gemma 3)."""
+    attn_scale: float = 0.0
+    """Softmax scale of attention scores. 0 = 1/sqrt(head_dim); Gemma sets 1/sqrt(query_pre_attn_scalar)."""
+    embed_scale: float = 1.0
+    """The token embedding is multiplied by this before the prelude (Gemma: sqrt(d_model))."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     init_std: float = 0.02
@@ -170,6 +192,13 @@ class ModelConfig:
         _check(self.init_state_std >= 0, "model.init_state_std", "must be >= 0")
         _check(self.deeploop_p >= 0 and math.isfinite(self.deeploop_p), "model.deeploop_p", "must be finite and >= 0")
         _check(self.rope_base > 0, "model.rope_base", "must be > 0")
+        _check(self.rope_factor >= 1 and math.isfinite(self.rope_factor), "model.rope_factor", "must be finite and >= 1")
+        _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor, "model.rope_low_freq_factor",
+               f"must be > 0 and below rope_high_freq_factor = {self.rope_high_freq_factor}")
+        _check(self.rope_original_context >= 1, "model.rope_original_context", "must be >= 1")
+        _check(self.attn_scale >= 0 and math.isfinite(self.attn_scale), "model.attn_scale",
+               "must be finite and >= 0 (0 = 1/sqrt(head_dim))")
+        _check(self.embed_scale > 0 and math.isfinite(self.embed_scale), "model.embed_scale", "must be finite and > 0")
         _check(self.norm_eps > 0, "model.norm_eps", "must be > 0")
         _check(self.init_std > 0, "model.init_std", "must be > 0")
         _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
@@ -316,8 +345,10 @@ class DataConfig:
     """Text file or folder for language-model data; empty = the embedded corpus (this Python's stdlib source)."""
     task: str = ""
     """A built-in task generator name or a JSONL path of {prompt, answer} lines (see docs/tasks.md)."""
-    tokenizer: Literal["byte", "bpe"] = "byte"
-    """Byte-level (257 ids) or a BPE trained locally on the training split with model.vocab_size ids."""
+    tokenizer: Literal["byte", "bpe", "pretrained"] = "byte"
+    """Byte-level (257 ids), a BPE trained locally on the training split with model.vocab_size ids, or
+    pretrained: the tokenizer of the run training starts from (`looplm train --init RUN`, e.g. an imported
+    Hugging Face model's own), used as it is."""
     max_bytes: int = applies(TEXT_DATA, default=2_000_000)
     """Read at most this many bytes of text (whole documents)."""
     val_fraction: float = applies(Condition(("data.task",), lambda t: not _builtin_task(t), "data.task is empty or a JSONL file"),

@@ -557,6 +557,24 @@ def stage2_recipe(run: str | Path, overrides: dict[str, Any] | None = None) -> R
     return recipe
 
 
+def init_recipe(run: str | Path, recipe_path: str | None, overrides: dict[str, Any] | None = None) -> Recipe:
+    """The recipe of `looplm train --init RUN`: RUN's recipe (or --recipe's, whose model must take RUN's
+    weights) with --set overrides, every training control available; the weights start from RUN's."""
+    from ..recipe.config import derive_recipe, read_recipe_dict
+    src = Path(run)
+    if not (src / "recipe.toml").is_file() or not (src / "checkpoint" / "model.safetensors").is_file():
+        raise UserError(f"--init {src}: not a looplm run (needs recipe.toml and checkpoint/model.safetensors)")
+    own = read_recipe_dict(str(src / "recipe.toml"))
+    data = read_recipe_dict(recipe_path) if recipe_path else own
+    if data.get("model") != own.get("model"):      # the weights decide the model (--set may still change it)
+        print(f"--init {src}: the model section comes from the run (its weights), not from --recipe",
+              file=sys.stderr)
+        data = {**data, "model": own["model"]}
+    if own.get("data", {}).get("tokenizer") == "pretrained":     # an imported model keeps its own tokenizer
+        data = {**data, "data": {**data.get("data", {}), "tokenizer": "pretrained"}}
+    return derive_recipe(data, overrides or {})
+
+
 def _adopt_data(src: Path, run_dir: Path) -> None:
     """Copy a run's tokenizer files and token split into a new run folder."""
     import shutil

@@ -1,0 +1,1 @@
+"""Interop with the Hugging Face ecosystem: export, import."""

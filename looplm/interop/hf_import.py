@@ -1,0 +1,342 @@
+"""`looplm import HF_DIR --out RUN`: a pretrained Hugging Face causal LM becomes a looplm run.
+
+    layers 0 .. N-1          -> prelude (untied, run once)
+    layers I .. J-1          -> the shared core, run R rounds (one copy of each layer, or with
+                                --core-blocks K the mean of the span's groups of K layers)
+    layers L-M .. L-1        -> coda
+    layers in between        -> dropped (listed in RUN/import.json)
+
+Supported families: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text). Their details map onto
+looplm's block options (model/blocks.py) exactly, or the import is refused naming the feature:
+grouped-query attention and a head width of its own, q/k/v biases (Qwen2), QK-norm (Qwen3,
+Gemma 3), tied or untied embeddings, Gemma's sandwich norms, embedding scale, softmax scale,
+GeGLU and its (1 + w) norm weights (folded into w here), RoPE base and linear / Llama 3 scaling.
+A sliding window is exact only where it never bites, so the run's context is capped at it.
+
+The loop starts from the prelude's output and re-enters nothing (init_state = prelude, injection
+= none): round 1 is then exactly the pretrained stack, so with every layer kept and R = 1 the
+run's logits are the HF model's, and R > 1 repeats the core on its own output (training-free
+looping). The weights are read tensor by tensor (safetensors, never pickles) and kept in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..errors import UserError
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3"}
+DEFAULT_CONTEXT = 2048
+"""The run's context when neither --context nor a smaller model limit says otherwise (RoPE tables and
+cache lengths grow with it; the pretrained model may accept far more)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which pretrained layers become which part of the loop (layer indices 0-based, spans half-open)."""
+
+    prelude: int
+    core: tuple[int, int]
+    coda: int
+    rounds: int = 1
+    core_blocks: int = 0
+    """Blocks in the shared core; 0 = the span's width (one copy of each layer). A smaller K averages
+    the span's consecutive groups of K layers block by block."""
+
+    def check(self, layers: int) -> None:
+        i, j = self.core
+        if not 0 <= self.prelude <= i < j <= layers - self.coda <= layers or self.coda < 0:
+            raise UserError(f"layout: --prelude {self.prelude} --core {i}:{j} --coda {self.coda} must satisfy "
+                            f"0 <= prelude <= I < J <= {layers} - coda (the model has {layers} layers)")
+        if self.rounds < 1:
+            raise UserError(f"--rounds must be >= 1, got {self.rounds}")
+        k = self.core_blocks or j - i
+        if k < 1 or (j - i) % k:
+            raise UserError(f"--core-blocks {k}: must divide the core span's {j - i} layers")
+
+    def dropped(self, layers: int) -> list[int]:
+        i, j = self.core
+        return [*range(self.prelude, i), *range(j, layers - self.coda)]
+
+
+def parse_layout(layers: int, prelude: int | None, core: str | None, coda: int | None, rounds: int,
+                 core_blocks: int = 0) -> Layout:
+    """The CLI's --prelude/--core/--coda (defaults: every layer in the core, nothing dropped)."""
+    n, m = prelude or 0, coda or 0
+    if core is None:
+        span = (n, layers - m)
+    else:
+        try:
+            a, b = (int(x) for x in core.split(":"))
+        except ValueError:
+            raise UserError(f"--core {core!r}: expected I:J, the half-open span of layers that loops") from None
+        span = (a, b)
+    layout = Layout(prelude=n, core=span, coda=m, rounds=rounds, core_blocks=core_blocks)
+    layout.check(layers)
+    return layout
+
+
+# ----------------------------------------------------------------------------- config
+
+def read_config(hf_dir: Path) -> dict[str, Any]:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise UserError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
+    cfg = json.loads(path.read_text())
+    kind = cfg.get("model_type")
+    if kind == "gemma3" and "text_config" in cfg:
+        raise UserError(f"{hf_dir}: a Gemma 3 vision-language checkpoint; import its text model "
+                        "(Gemma3ForCausalLM, model_type gemma3_text)")
+    if kind not in FAMILIES:
+        raise UserError(f"{hf_dir}: model_type {kind!r} cannot be imported (supported: {', '.join(FAMILIES)})")
+    return cfg
+
+
+def _rope(params: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE settings -> ModelConfig fields; unknown scalings refused by name."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_base": float(params.get("rope_theta", 10000.0))}
+    if kind == "default":
+        return out
+    if kind == "linear":
+        return {**out, "rope_scaling": "linear", "rope_factor": float(params["factor"])}
+    if kind == "llama3":
+        return {**out, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_context": int(params["original_max_position_embeddings"])}
+    raise UserError(f"{where}: RoPE scaling {kind!r} cannot be imported (looplm implements default, linear, llama3)")
+
+
+def _rope_params(cfg: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE parameters as transformers 5 writes them (rope_parameters, per layer type for Gemma 3),
+    or as older files do (rope_theta + rope_scaling, rope_local_base_freq)."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and layer_type and layer_type in rp:
+        return rp[layer_type]
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return rp
+    params = {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {})}
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        params = {"rope_theta": cfg["rope_local_base_freq"]}
+    return params
+
+
+def model_fields(cfg: dict[str, Any], context: int | None, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ModelConfig fields except the layout's, notes) for a supported config.json."""
+    kind = cfg["model_type"]
+    d, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    gemma = kind == "gemma3_text"
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UserError(f"{where}: {key} = {cfg[key]} cannot be imported (looplm's attention and head have no "
+                            "soft cap)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UserError(f"{where}: use_bidirectional_attention cannot be imported (looplm is causal)")
+    act = cfg.get("hidden_activation" if gemma else "hidden_act", cfg.get("hidden_act", "silu"))
+    acts = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+    if act not in acts:
+        raise UserError(f"{where}: activation {act!r} cannot be imported (looplm: silu, gelu_pytorch_tanh)")
+    if cfg.get("mlp_bias"):
+        raise UserError(f"{where}: mlp_bias cannot be imported (looplm's FFN has no biases)")
+
+    # RoPE, and which layers attend through a sliding window
+    layer_types = cfg.get("layer_types") or []
+    rope = _rope(_rope_params(cfg, "full_attention" if gemma else None), where)
+    window = None
+    if kind == "mistral" and cfg.get("sliding_window"):
+        window = int(cfg["sliding_window"])
+    elif kind in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        window = int(cfg["sliding_window"])
+    elif "sliding_attention" in layer_types:
+        window = int(cfg["sliding_window"])
+        local = _rope(_rope_params(cfg, "sliding_attention"), where)
+        if local != rope:
+            n = layer_types.count("sliding_attention")
+            raise UserError(f"{where}: {n} of {len(layer_types)} layers use sliding-window attention with their own "
+                            f"RoPE ({local}) beside the global layers' ({rope}); looplm's blocks share one RoPE table, "
+                            "so this cannot be imported exactly")
+    limit = min(int(cfg.get("max_position_embeddings", DEFAULT_CONTEXT)), window or math.inf)
+    if context is None:
+        context = int(min(limit, DEFAULT_CONTEXT))
+    elif context > limit:
+        why = f"the sliding window of {window}" if window is not None and window <= context else "max_position_embeddings"
+        raise UserError(f"--context {context}: above {why} ({int(limit)}); beyond it the imported model would not "
+                        "compute what the pretrained one does")
+
+    fields: dict[str, Any] = {
+        "vocab_size": int(cfg["vocab_size"]), "d_model": d, "n_heads": heads,
+        "n_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or d // heads), "ffn_hidden": int(cfg["intermediate_size"]),
+        "context": context, "init_state": "prelude", "injection": "none",
+        "norm": "sandwich" if gemma else "pre", "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "activation": acts[act], **rope,
+    }
+    if gemma:
+        fields["embed_scale"] = math.sqrt(d)
+        fields["attn_scale"] = float(cfg.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5
+    notes = {"family": FAMILIES[kind], "sliding_window": window}
+    return fields, notes
+
+
+# ----------------------------------------------------------------------------- weights
+
+class Weights:
+    """The checkpoint's tensors by name, read one at a time from its safetensors file(s)."""
+
+    def __init__(self, hf_dir: Path):
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{hf_dir}: no *.safetensors weights (looplm never unpickles .bin checkpoints; "
+                            "convert them with transformers' save_pretrained)")
+        self.where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                self.where.update({k: f for k in h.keys()})
+        emb = [k for k in self.where if k.endswith("embed_tokens.weight")]
+        if len(emb) != 1:
+            raise UserError(f"{hf_dir}: expected one embed_tokens.weight, found {len(emb)}")
+        self.prefix = emb[0][: -len("embed_tokens.weight")]        # "model." for *ForCausalLM
+
+    def __contains__(self, name: str) -> bool:
+        return self.prefix + name in self.where or name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        key = self.prefix + name if self.prefix + name in self.where else name
+        with safe_open(str(self.where[key]), framework="pt") as h:
+            return h.get_tensor(key).float()
+
+    def layers(self) -> int:
+        ids = {int(k[len(self.prefix) + len("layers."):].split(".")[0])
+               for k in self.where if k.startswith(self.prefix + "layers.")}
+        return max(ids) + 1 if ids else 0
+
+
+def _block_names(gemma: bool) -> dict[str, str]:
+    """looplm block parameter -> the pretrained layer's (norms: Gemma's four around two branches map onto
+    looplm's sandwich: norm1/post1 around attention, norm2/post2 around the FFN)."""
+    names = {"attn.q.weight": "self_attn.q_proj.weight", "attn.k.weight": "self_attn.k_proj.weight",
+             "attn.v.weight": "self_attn.v_proj.weight", "attn.o.weight": "self_attn.o_proj.weight",
+             "attn.q.bias": "self_attn.q_proj.bias", "attn.k.bias": "self_attn.k_proj.bias",
+             "attn.v.bias": "self_attn.v_proj.bias",
+             "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
+             "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.up.weight": "mlp.up_proj.weight",
+             "mlp.down.weight": "mlp.down_proj.weight", "norm1.weight": "input_layernorm.weight"}
+    if gemma:
+        names.update({"post1.weight": "post_attention_layernorm.weight",
+                      "norm2.weight": "pre_feedforward_layernorm.weight",
+                      "post2.weight": "post_feedforward_layernorm.weight"})
+    else:
+        names["norm2.weight"] = "post_attention_layernorm.weight"
+    return names
+
+
+def _layer_state(w: Weights, layer: int, gemma: bool, wanted: set[str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, theirs in _block_names(gemma).items():
+        if ours not in wanted:
+            continue
+        t = w.get(f"layers.{layer}.{theirs}")
+        if gemma and ("norm" in ours or ours.startswith("post")):
+            t = t + 1.0                     # Gemma's RMSNorm scales by (1 + w)
+        out[ours] = t
+    return out
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None, core: str | None = None,
+              coda: int | None = None, rounds: int = 1, core_blocks: int = 0, context: int | None = None) -> Path:
+    """Write the run folder `out` from the Hugging Face model in `hf_dir` (see the module docstring)."""
+    from tokenizers import Tokenizer
+
+    from ..data.tokenizer import PretrainedTokenizer
+    from ..model.looped import build_model
+    from ..recipe.config import recipe_from_dict
+    from ..runs.checkpoint import save_checkpoint, write_text
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if (out / "checkpoint" / "state.pt").exists():
+        raise UserError(f"--out {out} already holds a run; choose another folder")
+    cfg = read_config(hf_dir)
+    where = f"{hf_dir} ({cfg['model_type']})"
+    fields, notes = model_fields(cfg, context, where)
+    w = Weights(hf_dir)
+    layers = w.layers()
+    if layers != int(cfg["num_hidden_layers"]):
+        raise UserError(f"{where}: weights hold {layers} layers, config.json says {cfg['num_hidden_layers']}")
+    layout = parse_layout(layers, prelude, core, coda, rounds, core_blocks)
+    for part in ("o_proj.bias", "gate_proj.bias", "up_proj.bias", "down_proj.bias"):
+        if f"layers.0.{'self_attn' if part == 'o_proj.bias' else 'mlp'}.{part}" in w:
+            raise UserError(f"{where}: {part} cannot be imported (looplm's blocks have no bias there)")
+    gemma = cfg["model_type"] == "gemma3_text"
+    untied = "lm_head.weight" in w and not cfg.get("tie_word_embeddings", gemma)
+    i, j = layout.core
+    k = layout.core_blocks or j - i
+    fields.update(n_prelude=layout.prelude, n_core=k, n_coda=layout.coda, tie_embeddings=not untied,
+                  qkv_bias="layers.0.self_attn.q_proj.bias" in w, qk_norm="layers.0.self_attn.q_norm.weight" in w)
+    tok_file = hf_dir / "tokenizer.json"
+    if not tok_file.is_file():
+        raise UserError(f"{hf_dir}: no tokenizer.json (looplm reads fast tokenizers; save one with "
+                        "AutoTokenizer.from_pretrained(...).save_pretrained)")
+    eos, bos = _special_ids(hf_dir, cfg)
+    seq_len = min(fields["context"], 256)
+    recipe = recipe_from_dict({
+        "name": f"import-{hf_dir.resolve().name}", "model": fields,
+        "depth": {"kind": "fixed", "rounds": layout.rounds},
+        "data": {"tokenizer": "pretrained", "seq_len": seq_len},
+    })
+    model = build_model(recipe)
+    state = model.state_dict()
+    wanted = {n.split(".", 2)[2] for n in state if n.startswith("core.0.")}
+    new: dict[str, torch.Tensor] = {"embed.weight": w.get("embed_tokens.weight"),
+                                    "final_norm.weight": w.get("norm.weight") + (1.0 if gemma else 0.0)}
+    if untied:
+        new["head.weight"] = w.get("lm_head.weight")
+    for b in range(layout.prelude):
+        new.update({f"prelude.{b}.{n}": t for n, t in _layer_state(w, b, gemma, wanted).items()})
+    for b in range(k):                  # core block b: the mean of layers i + g*k + b over the span's groups
+        group = [_layer_state(w, i + g * k + b, gemma, wanted) for g in range((j - i) // k)]
+        new.update({f"core.{b}.{n}": torch.stack([s[n] for s in group]).mean(0) for n in group[0]})
+    for b in range(layout.coda):
+        new.update({f"coda.{b}.{n}": t for n, t in _layer_state(w, layers - layout.coda + b, gemma, wanted).items()})
+    new["head.weight"] = new.get("head.weight", new["embed.weight"])     # tied: the same tensor
+    missing = sorted(set(state) - set(new))
+    if missing:
+        raise UserError(f"{where}: no pretrained weights for {missing[:4]}")
+    model.load_state_dict(new)
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "recipe.toml", recipe.to_toml())
+    PretrainedTokenizer(Tokenizer.from_file(str(tok_file)), eos, bos).save(out / "checkpoint")
+    record = {"source": str(hf_dir.resolve()), "family": notes["family"], "model_type": cfg["model_type"],
+              "layers": layers, "prelude": list(range(layout.prelude)), "core": list(range(i, j)),
+              "core_blocks": k, "coda": list(range(layers - layout.coda, layers)),
+              "dropped": layout.dropped(layers), "rounds": layout.rounds, "context": fields["context"],
+              "sliding_window": notes["sliding_window"], "tied_embeddings": not untied}
+    save_checkpoint(out, model, {"step": 0, "imported": record})
+    write_text(out / "import.json", json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def _special_ids(hf_dir: Path, cfg: dict[str, Any]) -> tuple[int, int | None]:
+    """(eos id, bos id) from config.json, else generation_config.json (a list: its first)."""
+    gen = hf_dir / "generation_config.json"
+    sources = [cfg, json.loads(gen.read_text())] if gen.is_file() else [cfg]
+    def first(key: str) -> int | None:
+        for s in sources:
+            v = s.get(key)
+            if isinstance(v, list):
+                v = v[0] if v else None
+            if v is not None:
+                return int(v)
+        return None
+    eos = first("eos_token_id")
+    if eos is None:
+        raise UserError(f"{hf_dir}: config.json names no eos_token_id (looplm separates documents with it)")
+    return eos, first("bos_token_id")

@@ -1,0 +1,200 @@
+"""`looplm import`: pretrained Hugging Face models (built tiny and random here, saved with transformers)
+become looplm runs. At one round with every layer kept the logits equal the HF model's; a looped core
+equals the HF layers unrolled by hand; a looped import continues training with `looplm train --init`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import looplm
+from looplm.cli import main
+from looplm.interop.hf_import import import_hf
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1)
+
+
+def _configs():
+    t = transformers
+    return {
+        # GQA, a head width of its own (4 x 24 != 64), Llama 3.1 RoPE scaling, untied head
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**COMMON, head_dim=24, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+        "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**COMMON, tie_word_embeddings=True)),         # q/k/v biases, tied
+        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**COMMON, head_dim=32, rope_parameters={      # QK-norm
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+        "mistral": (t.MistralForCausalLM, t.MistralConfig(**COMMON, sliding_window=64)),         # window caps context
+        # sandwich norms with (1 + w), GeGLU, sqrt(d) embedding scale, query_pre_attn_scalar
+        "gemma3": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24,
+                                                           layer_types=["full_attention"] * 4)),
+    }
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the loop runs its rounds; a shared block, read out at the end."] * 20, trainer=trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (HF model in eval mode, its saved folder)."""
+    root = tmp_path_factory.mktemp("hf")
+    tok = _tokenizer()
+    out = {}
+    for name, (cls, cfg) in _configs().items():
+        torch.manual_seed(0)
+        model = cls(cfg).eval()
+        with torch.no_grad():           # norms and biases away from their 1 / 0 initialisation
+            for n, p in model.named_parameters():
+                if "norm" in n or n.endswith("bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        out[name] = (model, root / name)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+def test_every_layer_one_round_equals_hf(hf_models, tmp_path, name):
+    hf, folder = hf_models[name]
+    run = looplm.load_run(import_hf(folder, tmp_path / "run"))
+    ids = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, run.model(ids).logits
+    assert (got - expected).abs().max().item() < 1e-5
+    cfg = run.recipe.model
+    assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, run.recipe.depth.rounds) == (0, 4, 0, 1)
+    if name == "mistral":                   # exact only while the sliding window never bites
+        assert cfg.context == 64
+
+
+def _hf_unrolled(hf, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """The HF model's own layers applied in the given order (a loop written out), then its norm and head."""
+    inner = hf.model
+    h = inner.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1])[None]
+    gemma = hf.config.model_type == "gemma3_text"
+    rope = inner.rotary_emb(h, pos, "full_attention") if gemma else inner.rotary_emb(h, pos)
+    for i in layers:
+        out = inner.layers[i](h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+        h = out[0] if isinstance(out, tuple) else out
+    return hf.lm_head(inner.norm(h))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_looped_core_equals_layers_unrolled_by_hand(hf_models, tmp_path, name):
+    hf, folder = hf_models[name]
+    run = looplm.load_run(import_hf(folder, tmp_path / "run", prelude=1, core="1:3", coda=1, rounds=3))
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = _hf_unrolled(hf, ids, [0, 1, 2, 1, 2, 1, 2, 3])
+        assert (run.model(ids).logits - expected).abs().max().item() < 1e-4
+        # and rounds can change at evaluation: one round is the pretrained stack itself
+        assert (run.model(ids, rounds=1).logits - hf(ids).logits).abs().max().item() < 1e-5
+    record = json.loads((tmp_path / "run" / "import.json").read_text())
+    assert (record["prelude"], record["core"], record["coda"], record["dropped"]) == ([0], [1, 2], [3], [])
+
+
+def test_core_blocks_average_the_span(hf_models, tmp_path):
+    hf, folder = hf_models["llama"]
+    run = looplm.load_run(import_hf(folder, tmp_path / "run", core="0:4", core_blocks=2, rounds=2))
+    layers = hf.model.layers
+    for b in range(2):
+        want = (layers[b].self_attn.q_proj.weight + layers[2 + b].self_attn.q_proj.weight) / 2
+        assert torch.allclose(run.model.core[b].attn.q.weight, want)
+        want = (layers[b].mlp.down_proj.weight + layers[2 + b].mlp.down_proj.weight) / 2
+        assert torch.allclose(run.model.core[b].mlp.down.weight, want)
+
+
+def test_dropped_layers_are_recorded(hf_models, tmp_path):
+    _, folder = hf_models["qwen3"]
+    import_hf(folder, tmp_path / "run", prelude=1, core="2:3", coda=0)
+    record = json.loads((tmp_path / "run" / "import.json").read_text())
+    assert record["dropped"] == [1, 3] and record["core"] == [2]
+
+
+def test_tokenizer_is_the_models_own(hf_models, tmp_path):
+    _, folder = hf_models["qwen2"]
+    run = looplm.load_run(import_hf(folder, tmp_path / "run"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "the loop runs — its rounds, read out"
+    assert run.tokenizer.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert run.tokenizer.decode(run.tokenizer.encode(text)) == text
+    assert run.tokenizer.eos_id == 1 and b"".join(map(run.tokenizer.token_bytes, run.tokenizer.encode(text))) \
+        == text.encode()
+
+
+def _edit_config(src: Path, dst: Path, **changes) -> Path:
+    import shutil
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "RoPE scaling 'yarn'"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"hidden_act": "relu"}, "activation 'relu'"),
+])
+def test_unmappable_features_are_refused_by_name(hf_models, tmp_path, capsys, change, words):
+    _, folder = hf_models["llama"]
+    bad = _edit_config(folder, tmp_path / "bad", **change)
+    assert main(["import", str(bad), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0]
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_gemma_local_layers_with_their_own_rope_are_refused(hf_models, tmp_path, capsys):
+    _, folder = hf_models["gemma3"]
+    bad = _edit_config(folder, tmp_path / "bad", layer_types=["sliding_attention", "full_attention"] * 2,
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    assert main(["import", str(bad), "--out", str(tmp_path / "run")]) == 2
+    assert "sliding-window attention with their own RoPE" in capsys.readouterr().err
+
+
+def test_context_beyond_the_window_is_refused(hf_models, tmp_path, capsys):
+    _, folder = hf_models["mistral"]
+    assert main(["import", str(folder), "--out", str(tmp_path / "run"), "--context", "100"]) == 2
+    assert "sliding window of 64" in capsys.readouterr().err
+
+
+def test_looped_import_continues_training(hf_models, tmp_path, capsys):
+    """The issue's path: import with a looped core, then `looplm train --init` with sampled depth, a
+    backward window and per-round supervision; the loss falls, the weights started from the import."""
+    _, folder = hf_models["llama"]
+    src = tmp_path / "imported"
+    assert main(["import", str(folder), "--out", str(src), "--prelude", "1", "--core", "1:3", "--coda", "1",
+                 "--rounds", "2"]) == 0
+    out = tmp_path / "trained"
+    assert main(["train", "--init", str(src), "--out", str(out), "--set", "train.steps=16",
+                 "--set", "train.batch_size=4", "--set", "data.seq_len=48", "--set", "data.max_bytes=40000",
+                 "--set", "depth.kind=uniform", "--set", "depth.min=1", "--set", "depth.max=3",
+                 "--set", "backward.window=2", "--set", "supervision.kind=every", "--set", "optim.lr=3e-3"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) >= 2 and math.isfinite(losses[-1]) and losses[-1] < losses[0] - 0.5
+    report = json.loads((out / "report.json").read_text())
+    assert report["init_from"] == str(src)
+    run = looplm.load_run(out)
+    assert run.recipe.data.tokenizer == "pretrained"
+    assert run.tokenizer.vocab_size == len(transformers.AutoTokenizer.from_pretrained(folder))
