@@ -261,12 +261,22 @@ def check_backward_window_measured(run: Run) -> CheckResult:
                        + "; ".join(parts), MEASURED)
 
 
+def _imported(run: Run) -> bool:
+    """The run was written by `looplm import` and never trained here: it has no training record to check."""
+    return (run.path / "import.json").is_file() and not (run.path / "metrics.jsonl").is_file()
+
+
+IMPORTED = "the run was imported (looplm import), not trained by looplm: no training record"
+
+
 def check_backward_window(run: Run) -> CheckResult:
     """The record against autograd: for every depth the run trained at (report.json's depth_histogram),
     one tiny training step measures which rounds receive gradient (measured_grad_rounds); counted over
     the depth histogram, those give the backward_histogram autograd implies, which must be the one
     report.json records."""
     name = "backward_window_recorded"
+    if _imported(run):
+        return CheckResult.not_applicable(name, IMPORTED)
     hist = {int(k): v for k, v in run.report.get("backward_histogram", {}).items()}
     depth = {int(k): v for k, v in run.report.get("depth_histogram", {}).items()}
     if not hist or not depth:
@@ -475,6 +485,8 @@ def check_token_accounting(run: Run) -> CheckResult:
     trainer does (its counters start at zero)."""
     from .errors import UserError
     name = "tokens_vs_token_passes"
+    if _imported(run):
+        return CheckResult.not_applicable(name, IMPORTED)
     r = run.report
     missing = [k for k in ("tokens_seen", "token_passes", "unique_tokens", "train_data_tokens", "depth_histogram")
                if k not in r]
@@ -527,6 +539,8 @@ def check_round_telemetry(run: Run) -> CheckResult:
     import json
     import math
     name = "round_telemetry_present"
+    if _imported(run):
+        return CheckResult.not_applicable(name, IMPORTED)
     path = run.path / "metrics.jsonl"
     if not path.is_file():
         return CheckResult(name, False, "the run has no metrics.jsonl", RECORD)

@@ -218,3 +218,14 @@ def test_engine_greedy_equals_hf_generate(hf_models, tmp_path, name):
     expected = out[:, width:].tolist()
     got = Engine(run.model, run.tokenizer).generate(prompts, SamplingParams(max_new_tokens=10, stop_at_eos=False))
     assert [c.tokens for c in got] == expected
+
+
+def test_check_on_an_imported_run_skips_only_training_records(hf_models, tmp_path):
+    """An imported run has no training record: those checks say "not applicable"; the measured ones run
+    (causality, the looped core against untied copies of its blocks, cache policies, ...)."""
+    from looplm.checks import check_causality, check_round_telemetry, check_token_accounting, check_untied_parity
+    _, folder = hf_models["qwen3"]
+    run = looplm.load_run(import_hf(folder, tmp_path / "run", prelude=1, core="1:3", coda=1, rounds=2))
+    assert check_token_accounting(run).kind == "not_applicable"
+    assert check_round_telemetry(run).kind == "not_applicable"
+    assert check_causality(run).passed and check_untied_parity(run).passed
