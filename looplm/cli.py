@@ -297,7 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ServeLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                          max_concurrent=args.max_concurrent, max_batch=args.max_batch,
                          max_batches=args.max_batches, batch_window_ms=args.batch_window_ms,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
     engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
                                             decode_cache=args.decode_cache, missing=args.missing_kv,
                                             speculative=args.speculative).items()
@@ -522,12 +522,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible completions server (POST /v1/completions, GET /v1/models)")
     sv.add_argument("run")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1, loopback only; beyond loopback without "
+                         "--api-key prints a warning)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--exit", help="exit policy for every request (default: the recipe's)")
     _cache_args(sv)
     sv.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt (0 = the context)")
     sv.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
+    sv.add_argument("--max-n", type=int, default=8,
+                    help="largest n (choices per prompt) a request may ask for (prompts x n is also at most "
+                         "--max-batch)")
+    sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                    help="largest request body in bytes; larger gets 413 before it is read in full (default 1 MiB)")
     sv.add_argument("--max-concurrent", type=int, default=64, help="prompts in flight before 429")
     sv.add_argument("--max-batch", type=int, default=8, help="prompts decoded together")
     sv.add_argument("--max-batches", type=int, default=4,

@@ -50,10 +50,15 @@ the token, as vLLM's does) and `/detokenize` (vLLM's shapes) that is what
 lm-evaluation-harness's `local-completions` model needs for loglikelihood tasks.
 `presence_penalty`, `frequency_penalty` (on the output's tokens so far) and `logit_bias` are
 OpenAI's; `best_of` other than `n` and a non-empty `suffix` are refused, not ignored.
-With an API key (`looplm serve --api-key KEY`, or LOOPLM_API_KEY), `/v1/completions`, `/v1/models`
-and the tokenizer endpoints need `Authorization: Bearer KEY` (what OpenAI's clients send); a missing
-or wrong key gets 401 with `code: "invalid_api_key"` before the request is validated or runs
-(the keys are compared in constant time). `/health` stays open for load balancers.
+With an API key (`looplm serve --api-key KEY`, or LOOPLM_API_KEY), every path but `/health` (kept
+open for load balancers) needs `Authorization: Bearer KEY` (what OpenAI's clients send); a missing
+or wrong key gets 401 with `code: "invalid_api_key"` before the body is read (the keys are
+compared in constant time), and FastAPI's /docs, /redoc and /openapi.json are off. Binding
+beyond loopback without a key prints a warning. Request limits (ServeLimits, each a flag): a body
+over `max_body_bytes` gets 413 before it is read in full or parsed (`_Gate`: the key, then the
+size, ahead of FastAPI), `max_tokens` and `n` are bounded (`max_n`; prompts x n at most
+`max_batch`, counted before any prompt is tokenized), `seed` is a 64-bit integer, `logprobs` at
+most 5, `stop` at most 16 strings and `logit_bias` at most 300 tokens (SamplingParams's checks).
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -63,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import time
 import uuid
@@ -88,6 +94,12 @@ class ServeLimits:
     with echo and max_tokens 0, or continued by one token)."""
     max_tokens: int = 512
     """Largest max_tokens a request may ask for (also bounded by the context)."""
+    max_n: int = 8
+    """Largest n (choices per prompt) a request may ask for; prompts x n is also bounded by
+    max_batch, the rows one request may hold."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body in bytes (larger: 413, refused before it is read in full or parsed).
+    1 MiB holds a batch of several thousand-token prompts sent as token ids."""
     max_concurrent: int = 64
     """Prompts in flight (waiting or running) before new requests get 429."""
     max_batch: int = 8
@@ -104,7 +116,7 @@ class ServeLimits:
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:
             raise UserError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0 = the context)")
-        for name in ("max_tokens", "max_concurrent", "max_batch", "max_batches"):
+        for name in ("max_tokens", "max_n", "max_body_bytes", "max_concurrent", "max_batch", "max_batches"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
         if self.prefill_chunk < 0:
@@ -268,8 +280,10 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    """OpenAI's range (a 64-bit integer); torch's generators take seed + j for choice j."""
     n: StrictInt = Field(1, ge=1)
+    """Choices per prompt: at most ServeLimits.max_n, and prompts x n at most max_batch."""
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
@@ -280,6 +294,13 @@ class CompletionRequest(BaseModel):
     """Accepted only as n (or absent): choosing the best of more samples is not done here."""
     suffix: str | None = None
     """Accepted only empty: completions do not insert text before a suffix."""
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """A request's `prompt` as a list of prompts (one text or one list of ids is one prompt)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    return list(prompt)
 
 
 def _seed(seed: int | None, temperature: float) -> int:
@@ -356,9 +377,10 @@ class _Choices:
         return out
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> Any:
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> Any:
     from fastapi.responses import JSONResponse
-    return JSONResponse(status_code=status,
+    return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": kind, "param": param, "code": None}})
 
 
@@ -376,15 +398,110 @@ def check_api_key(key: str, source: str = "--api-key") -> str:
     return key
 
 
-class _BadKey(Exception):
-    """A request to a protected endpoint without the server's API key (answered 401)."""
-
-
-def _unauthorized(message: str) -> Any:
+def _unauthorized(message: str, close: bool = False) -> Any:
     from fastapi.responses import JSONResponse
-    return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
+    return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer", **(_CLOSE if close else {})},
                         content={"error": {"message": message, "type": "invalid_request_error", "param": None,
                                            "code": "invalid_api_key"}})
+
+
+_CLOSE = {"Connection": "close"}
+"""Sent with an answer given before the request's body was read: the connection cannot carry
+another request until that body is drained, so the server closes it instead."""
+
+OPEN_PATHS = frozenset({"/health"})
+"""What an API key leaves open: the health probe, for load balancers that send no key."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` stays on this machine: 127.0.0.0/8, ::1 (also IPv4-mapped) or the
+    name localhost. Any other name counts as beyond loopback: it is not resolved here, and
+    what it resolves to may change."""
+    name = host.strip().strip("[]").rstrip(".")
+    if name.lower() == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(name)
+    except ValueError:
+        return False                       # a hostname, or "" (uvicorn: every interface)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped            # ::ffff:127.0.0.1 (not loopback to Python 3.11's check)
+    return addr.is_loopback
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning `looplm serve` prints when it binds beyond loopback without an API key; None
+    when it does not (loopback only, or a key guards the server)."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"looplm: warning: binding {host or '(every interface)'} beyond loopback without an API key: anyone "
+            f"who can reach this port can run the model; set --api-key or {API_KEY_ENV}")
+
+
+class _Gate:
+    """ASGI middleware in front of the FastAPI app: the API key, then the body's size, before any
+    route sees the request. FastAPI reads and parses a body before an endpoint's dependencies
+    run, so a key checked there would come after reading whatever an unauthenticated client
+    sent, and a size limit there would come after buffering it; here a missing or wrong key gets
+    401 without the body being read, and a body over the limit 413 as soon as it passes the limit
+    (at once when its Content-Length says so; a chunked one is read up to the limit)."""
+
+    def __init__(self, app: Any, *, key: bytes | None, max_body: int):
+        self.app, self.key, self.max_body = app, key, max_body
+
+    def key_error(self, headers: dict[bytes, bytes]) -> str | None:
+        """Why this request's Authorization header is refused (None: it carries the key)."""
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not given.strip():
+            return "missing API key: send the header Authorization: Bearer <key>"
+        assert self.key is not None
+        return None if hmac.compare_digest(given.strip(), self.key) else "incorrect API key provided"
+
+    def too_large(self, size: int | None, close: bool) -> Any:
+        what = f"request body of {size} bytes" if size is not None else "request body"
+        return _error(413, f"{what} exceeds this server's limit of {self.max_body} bytes", None,
+                      headers=_CLOSE if close else None)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":                   # lifespan (no websocket routes here)
+            await self.app(scope, receive, send)
+            return
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:          # the first of repeated headers
+            headers.setdefault(name.lower(), value)
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if self.key is not None and scope["path"] not in OPEN_PATHS and (why := self.key_error(headers)):
+            await _unauthorized(why, close=has_body)(scope, receive, send)
+            return
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():                # uvicorn refuses these itself; other servers may not
+                await _error(400, "invalid Content-Length header", None, headers=_CLOSE)(scope, receive, send)
+                return
+            if int(declared) > self.max_body:
+                await self.too_large(int(declared), close=True)(scope, receive, send)
+                return
+        body, more = bytearray(), True
+        while more:                                   # the whole body, up to the limit
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return                                # nobody is left to answer
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body:
+                await self.too_large(None, close=more)(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            """The body once, then the server's own messages (a client's disconnect)."""
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimits | None = None,
@@ -393,10 +510,10 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
     every endpoint but /health needs `Authorization: Bearer <api_key>`."""
     from contextlib import asynccontextmanager
 
-    from fastapi import Depends, FastAPI
+    from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import StreamingResponse
-    from fastapi.security import HTTPBearer
+    from starlette.exceptions import HTTPException
 
     limits = limits or ServeLimits()
     if engine.tokenizer is None:
@@ -427,31 +544,20 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         yield
         task.cancel()
 
-    app = FastAPI(title="looplm", lifespan=lifespan)
+    # With a key, no interactive docs or schema: a browser's /docs page could not send the key
+    # to fetch the schema anyway, and the schema is a map of the server for whoever lacks it.
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="looplm", lifespan=lifespan, **docs)
     app.state.scheduler = sched
+    key = None if api_key is None else check_api_key(api_key).encode("ascii")
+    app.add_middleware(_Gate, key=key, max_body=limits.max_body_bytes)     # see _Gate for why not a dependency
 
-    protected: list[Any] = []              # the dependencies of every endpoint but /health
-    if api_key is not None:
-        expected = check_api_key(api_key).encode("ascii")
-        bearer = HTTPBearer(auto_error=False, description="the key `looplm serve` was started with")
-
-        def key_error(cred: Any) -> str | None:
-            """Why these credentials (HTTPBearer's, None without a Bearer header) are refused; None if not."""
-            if cred is None:
-                return "missing API key: send the header Authorization: Bearer <key>"
-            given = cred.credentials.encode("latin-1")                     # headers are latin-1
-            return None if hmac.compare_digest(given, expected) else "incorrect API key provided"
-
-        async def authorize(cred=Depends(bearer)) -> None:   # noqa: B008 (FastAPI's idiom)
-            """Runs before the body is validated or anything is scheduled."""
-            if (why := key_error(cred)) is not None:
-                raise _BadKey(why)
-
-        protected = [Depends(authorize)]
-
-        @app.exception_handler(_BadKey)
-        async def on_bad_key(request: Request, exc: _BadKey) -> Any:
-            return _unauthorized(str(exc))
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> Any:
+        """Starlette's own errors (unknown path 404, wrong method 405, a body it cannot parse)
+        in OpenAI's shape, as every other error here."""
+        return _error(exc.status_code, f"{exc.detail} ({request.method} {request.url.path})", None,
+                      headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -460,8 +566,6 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None              # the request field (not pydantic's union branch)
         if first.get("type") == "json_invalid":
-            if api_key is not None and (why := key_error(await bearer(request))) is not None:
-                return _unauthorized(why)            # FastAPI parses a body before the key's check
             return _error(400, "request body is not valid JSON", None)
         msg = first.get("msg", "invalid request")
         return _error(400, f"{param}: {msg}" if param else msg, param)
@@ -477,17 +581,15 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             "decode_cache": c.decode_cache, "missing_kv": c.missing, "speculative": c.speculative,
             "prefill_chunk": limits.prefill_chunk}       # what every request of this server runs
 
-    @app.get("/v1/models", dependencies=protected)
+    @app.get("/v1/models")
     async def models() -> Any:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "looplm", "max_model_len": ctx, "looplm": loop}]}
 
-    def token_ids(prompt: Any, max_tokens: int) -> list[list[int]]:
-        """The request's prompts as token ids: the engine's checks (empty, ids outside the
-        vocabulary), then this server's prompt limit, then the context with max_tokens."""
-        if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
-            prompt = [prompt]                                # one text or one list of ids
-        ids_list = engine.token_ids(prompt)
+    def token_ids(prompts: list[Any], max_tokens: int) -> list[list[int]]:
+        """The request's prompts (`_prompts`) as token ids: the engine's checks (empty, ids outside
+        the vocabulary), then this server's prompt limit, then the context with max_tokens."""
+        ids_list = engine.token_ids(prompts)
         for ids in ids_list:
             if len(ids) > max_prompt:
                 raise UserError(f"prompt: {len(ids)} tokens exceeds the limit of {max_prompt}")
@@ -506,25 +608,25 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             out[int(key)] = value
         return out
 
-    @app.get("/tokenizer_info", dependencies=protected)
+    @app.get("/tokenizer_info")
     async def tokenizer_info() -> Any:
         """What a client that tokenizes through this server needs (lm-evaluation-harness's remote backend)."""
         return {"eos_token": EOS_TOKEN, "eos_token_id": engine.tokenizer.eos_id, "bos_token": None,
                 "pad_token": None, "vocab_size": engine.cfg.vocab_size, "model_max_length": ctx,
                 "tokenizer_class": type(engine.tokenizer).__name__}
 
-    @app.post("/tokenize", dependencies=protected)
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Any:
         ids = encode_with_eos(engine.tokenizer, req.prompt)     # "<|eos|>" is the token, as vLLM's reads it
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx}
 
-    @app.post("/detokenize", dependencies=protected)
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Any:
         if not all(0 <= t < engine.cfg.vocab_size for t in req.tokens):
             return _error(400, f"tokens: token ids must lie in [0, {engine.cfg.vocab_size})", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    @app.post("/v1/completions", dependencies=protected)
+    @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.model not in (None, model_name):
             return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
@@ -532,6 +634,8 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         if req.max_tokens > limits.max_tokens:
             return _error(400, f"max_tokens: {req.max_tokens} exceeds this server's limit of {limits.max_tokens}",
                           "max_tokens")
+        if req.n > limits.max_n:
+            return _error(400, f"n: {req.n} exceeds this server's limit of {limits.max_n}", "n")
         if req.max_tokens == 0 and not req.echo:
             return _error(400, "max_tokens: 0 only with echo (to score a prompt)", "max_tokens")
         if req.best_of not in (None, req.n):
@@ -544,10 +648,11 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
         seed = _seed(req.seed, req.temperature)
         try:
             bias = logit_bias(req.logit_bias)
-            ids_list = token_ids(req.prompt, req.max_tokens)
-            if len(ids_list) * req.n > limits.max_batch:
+            prompts = _prompts(req.prompt)
+            if len(prompts) * req.n > limits.max_batch:   # before tokenizing: a long list costs nothing
                 raise UserError(f"{'prompt' if req.n == 1 else 'n'}: at most {limits.max_batch} completions in "
-                                f"all (prompts x n), asked for {len(ids_list) * req.n}")
+                                f"all (prompts x n), asked for {len(prompts) * req.n}")
+            ids_list = token_ids(prompts, req.max_tokens)
             params = [SamplingParams(max_new_tokens=max(req.max_tokens, 1), temperature=req.temperature,
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -678,4 +783,6 @@ def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: Se
     app = create_app(engine, model_name=run.path.resolve().name, limits=limits, api_key=api_key)
     print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r}"
           f"{'; API key required' if api_key is not None else ''})", file=sys.stderr)   # never the key itself
+    if (warning := exposure_warning(host, api_key)) is not None:
+        print(warning, file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

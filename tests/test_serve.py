@@ -592,7 +592,7 @@ def test_clients_that_leave_mid_stream_do_not_disturb_the_others(server):
 
 @pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_batches", 0), ("max_tokens", 0),
                                           ("prefill_chunk", -1), ("batch_window_ms", -1.0),
-                                          ("max_prompt_tokens", -2)])
+                                          ("max_prompt_tokens", -2), ("max_n", 0), ("max_body_bytes", 0)])
 def test_serve_limits_out_of_range_are_user_errors_naming_the_flag(field, value):
     from looplm.errors import UserError
     from looplm.serve import ServeLimits
