@@ -1,6 +1,14 @@
-"""An lm-evaluation-harness task built from a run's held-out text, to score the run through `looplm serve`.
+"""lm-evaluation-harness tasks built from a run's held-out text, to score the run with lm-eval.
 
     python examples/lm_eval_task.py runs/quickstart --out lm_eval_task [--questions 60] [--seed 0]
+
+lm-eval's own model for a run (looplm/lm_eval.py; the cached engine in this process, no server):
+
+    python -m looplm.lm_eval --model looplm --model_args run=runs/quickstart,batch_size=8 \\
+        --tasks looplm_next_bytes,looplm_val_bpb --include_path lm_eval_task
+
+or through `looplm serve` (lm-eval's OpenAI-completions client; `pip install 'lm-eval[api]'`):
+
     looplm serve runs/quickstart --max-batch 8 &
     lm_eval --model local-completions --tasks looplm_next_bytes,looplm_val_bpb --include_path lm_eval_task \\
         --batch_size 8 --model_args \\
@@ -15,7 +23,8 @@ continuations: the true one and three spans from elsewhere in the same text (mul
 lm-eval's `acc` picks the likeliest continuation, which favours spans that are likely anywhere,
 and `acc_mutual_info` the one the context makes likelier than it is alone). Writes `data.jsonl` and
 `looplm_next_bytes.yaml`, `docs.jsonl` and `looplm_val_bpb.yaml` into `--out`. lm-evaluation-harness is not a looplm dependency
-(`pip install 'lm-eval[api]'` where you run it); the data needs no download.
+(the `lm_eval` extra installs it: `pip install -e '.[lm_eval]'`; add 'lm-eval[api]' for the server path); the data
+needs no download.
 """
 
 from __future__ import annotations
