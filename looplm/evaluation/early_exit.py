@@ -38,6 +38,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
@@ -49,6 +50,7 @@ from ..inference.cache import MISSING
 from ..model.blocks import round_visibility, sdpa
 from ..halting import ExitController, ExitPolicy, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
 from ..model.looped import LoopOutput
+from ..model.recurrence import unroll
 
 
 @dataclass
@@ -256,9 +258,7 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
         raise ValueError(f"sequence of {T} tokens exceeds the model context {model.cfg.context}")
     device = idx.device
     ctl = ExitController(policy, R, B * T, prefill=prefill, may_exit=may_exit, device=device)
-    rope_full = model.rope(0, T)
-    e = model.encode(idx, rope_full)                                   # (B, T, d), prelude runs once
-    s = model.initial_state(e, generator)                              # (B, T, d)
+    rope_full, e, s = model.loop_inputs(idx, generator=generator)      # e, s: (B, T, d); the prelude runs once
     if model.cfg.n_coda and ctl.read_rounds - {R}:
         return _column_by_column(model, idx, s, ctl, missing, prefill)
     kv = SequenceKV(B, T, device, missing)
@@ -267,45 +267,45 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
     computed = torch.zeros(B, T, R, dtype=torch.bool, device=device)
     read_out = torch.zeros(B, T, R, dtype=torch.bool, device=device)
     hazards = torch.full((B, T, R), math.nan, device=device) if use_gate else None
-    rows_computed, rounds_run = 0, 0
+    # the round just run: its tokens (ids None = all of them in order, else their flat indices), their
+    # new states (B, T, d) or packed (1, N, d), and the RoPE tables they ran with
+    ran = SimpleNamespace(ids=None, s_new=None, rope=rope_full, rows=0, state=s)
 
-    for r in range(1, R + 1):
+    def step(s: Tensor, r: int) -> Tensor:
+        """Round r for the tokens still running, packed when some have stopped; s stays (B, T, d)."""
         active = ctl.active.view(B, T)
-        n_active = int(active.sum())
-        if n_active == 0:
-            break
-        rounds_run = r
-        if n_active == B * T:   # every token still running: the plain path, no gathers
-            lay = None
-            rope, s_in, e_in = rope_full, s, e
+        if bool(active.all()):  # every token still running: the plain path, no gathers
+            lay, ran.ids, ran.rope, s_in, e_in = None, None, rope_full, s, e
         else:
             lay = QueryLayout.build(active)                             # attention rows (B', W)
-            ids = lay.seq * T + lay.pos                                 # (N,) the running tokens, flat
-            rope = model.rope(0, len(ids), lay.pos.unsqueeze(0))
-            s_in = s.view(B * T, -1)[ids].unsqueeze(0)                  # (1, N, d): packed, no padding
-            e_in = e if model.cfg.injection == "none" else e.view(B * T, -1)[ids].unsqueeze(0)
+            ran.ids = lay.seq * T + lay.pos                             # (N,) the running tokens, flat
+            ran.rope = model.rope(0, len(ran.ids), lay.pos.unsqueeze(0))
+            s_in = s.view(B * T, -1)[ran.ids].unsqueeze(0)              # (1, N, d): packed, no padding
+            e_in = e if model.cfg.injection == "none" else e.view(B * T, -1)[ran.ids].unsqueeze(0)
         kv.select(lay, active)
-        rows_computed += B * T if lay is None else len(ids)
-        s_new = model.core_step(s_in, e_in, r, rope, kv)                # (B, T, d) or (1, N, d)
+        ran.rows += B * T if lay is None else len(ran.ids)
+        ran.s_new = model.core_step(s_in, e_in, r, ran.rope, kv)        # (B, T, d) or (1, N, d)
         computed[..., r - 1] = active
-        # the tokens that ran round r, flat: None = all of them in order, else ids; outputs of the
-        # round are (B, T, ...) or (1, N, ...), flattened to (N, ...) in that order
-        if lay is None:
-            s, ids = s_new, None
-        else:
-            s = s.view(B * T, -1).index_copy(0, ids, s_new[0]).view(B, T, -1)
+        return ran.s_new if lay is None else s.view(B * T, -1).index_copy(0, ran.ids, ran.s_new[0]).view(B, T, -1)
 
-        h = lg = None
+    def exits(s: Tensor, r: int) -> Tensor | None:
+        """The controller decides for the tokens that ran round r (outputs flattened to (N, ...) in
+        their order); None once no token goes on. Every token still active at R has run its last round."""
+        ids, h, lg = ran.ids, None, None
         if use_gate:
-            h = model.hazard(s_new).flatten(0, 1)                      # (N,)
+            h = model.hazard(ran.s_new).flatten(0, 1)                   # (N,)
             hazards[..., r - 1] = h.view(B, T) if ids is None else \
                 hazards[..., r - 1].flatten().index_copy(0, ids, h).view(B, T)
         if ctl.needs_readout(r):
             # no coda here (or every token active): each token's readout reads only itself
-            lg = model.readout(s_new, rope).flatten(0, 1)              # (N, V)
-            read_out[..., r - 1] = active
+            lg = model.readout(ran.s_new, ran.rope).flatten(0, 1)       # (N, V)
+            read_out[..., r - 1] = computed[..., r - 1]
         ctl.decide(r, ids, hazard=h, logits=lg)
-        # Every token still active at R has run its last round; the loop ends after R.
+        ran.state = s                                                   # every token's state so far
+        return s if bool(ctl.active.any()) else None
+
+    run = unroll(step, s, R, rule=exits)
+    s, rounds_run, rows_computed = ran.state, run.rounds_run, ran.rows
 
     rounds_used = computed.sum(-1)                                     # (B, T)
     if ctl.read_rounds:

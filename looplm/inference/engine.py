@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -385,21 +386,17 @@ class Engine:
                      rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
         """After `cache.begin(start, T, phase, rows)`: the chunk's RoPE tables, prelude output e
         and initial state s, (B, T, d) each (the prelude writes its cache entries)."""
-        m, k = self.model, self._fast or self.kernels()
         B, T = idx.shape
         positions = None
         if cache.chunk_padded:                     # these rows have pad columns: positions per row
             cols = torch.arange(start, start + T, device=idx.device)
             pad = cache.pad if rows is None else cache.pad[rows]
             positions = (cols[None, :] - pad[:, None]).clamp_min(0)             # (B, T)
-        rope = k.rope(start, T, positions)
-        e = k.encode(idx, rope, cache)                                          # (B, T, d)
+        s0 = None
         if noise is not None:
             r = torch.arange(B, device=noise.device) if rows is None else rows.to(noise.device)  # (B,) table rows
-            s = noise[r, start:start + T] if positions is None else noise[r[:, None], positions]   # (B, T, d)
-        else:
-            s = m.initial_state(e)
-        return rope, e, s
+            s0 = noise[r, start:start + T] if positions is None else noise[r[:, None], positions]  # (B, T, d)
+        return self.model.loop_inputs(idx, start, positions, cache, self._fast or self.kernels(), initial_state=s0)
 
     def kernels(self) -> PackedOps:
         """The fused kernels the chunks run on, rebuilt when a model weight changed in place since
@@ -421,37 +418,48 @@ class Engine:
         quantile rows are read out once, at their exit round."""
         m, k, policy, R = self.model, self._fast or self.kernels(), self.policy, self.rounds
         n = cache.batch
-        if rows is None:
-            rows = torch.arange(n, device=s.device)     # cache rows still computing
         ctl = ExitController(policy, R, n, prefill=phase == "prefill", may_exit=may_exit, device=s.device)
         out = torch.zeros(n, self.cfg.vocab_size, device=s.device, dtype=s.dtype)
-        weight = route_stop = None
+        # what the rounds read for the rows still computing (cache rows `rows`), compacted as rows stop
+        live = SimpleNamespace(rows=torch.arange(n, device=s.device) if rows is None else rows, e=e, rope=rope,
+                               weight=None, route_stop=None)
         expert = policy.kind == "routed" and self.cfg.mor == "expert_choice"
         if policy.kind == "routed" and not expert:   # token choice: depth and weight from e, up front
-            depth, weight, _ = m.route(e)            # (B', 1) each
-            ctl.set_depth(rows, depth[:, -1])
+            depth, live.weight, _ = m.route(e)       # (B', 1) each
+            ctl.set_depth(live.rows, depth[:, -1])
         every = torch.ones(s.shape[:2], dtype=torch.bool, device=s.device)
         if expert:        # round 1's router on the initial state (every token runs round 1)
-            weight = m.expert_choice(s, 1, every, True)[1]
-        for r in range(1, R + 1):
-            s = k.core_step(s, e, r, rope, cache) if weight is None else k.routed_step(s, e, r, rope, cache, weight)
+            live.weight = m.expert_choice(s, 1, every, True)[1]
+
+        def step(s: Tensor, r: int) -> Tensor:
+            if live.weight is None:
+                return k.core_step(s, live.e, r, live.rope, cache)
+            return k.routed_step(s, live.e, r, live.rope, cache, live.weight)
+
+        def exits(s: Tensor, r: int) -> Tensor | None:
+            """The controller decides after round r; stopped rows leave (their readout now, when the
+            policy did not read every row out this round); None when no row goes on."""
             if expert and r < R:   # round r + 1's router on the state entering it: who continues, and the weight
-                chosen, weight, _ = m.expert_choice(s, r + 1, every[:s.shape[0]], True)
-                route_stop = ~chosen[:, -1]
-            logits = k.readout(s, rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
-            hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                     # (B',)
-            stop = ctl.decide(r, rows, hazard=hazard, logits=logits, route_stop=route_stop)    # (B',)
-            if bool(stop.any()):
-                done = rows[stop]
-                if logits is None:  # the exiting rows read out now (their coda entry is this round's)
-                    cache.select(done)
-                    out[done] = k.readout(s[stop], rope_rows(rope, stop), cache, r, False)
-                keep = ~stop
-                if not bool(keep.any()):
-                    break
-                rows, s, e, rope = rows[keep], s[keep], e[keep], rope_rows(rope, keep)
-                weight = None if weight is None else weight[keep]
-                cache.select(rows)
+                chosen, live.weight, _ = m.expert_choice(s, r + 1, every[:s.shape[0]], True)
+                live.route_stop = ~chosen[:, -1]
+            logits = k.readout(s, live.rope, cache, r, False) if ctl.needs_readout(r) else None    # (B', V)
+            hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None                          # (B',)
+            stop = ctl.decide(r, live.rows, hazard=hazard, logits=logits, route_stop=live.route_stop)  # (B',)
+            if not bool(stop.any()):
+                return s
+            done = live.rows[stop]
+            if logits is None:  # the exiting rows read out now (their coda entry is this round's)
+                cache.select(done)
+                out[done] = k.readout(s[stop], rope_rows(live.rope, stop), cache, r, False)
+            keep = ~stop
+            if not bool(keep.any()):
+                return None
+            live.rows, live.e, live.rope = live.rows[keep], live.e[keep], rope_rows(live.rope, keep)
+            live.weight = None if live.weight is None else live.weight[keep]
+            cache.select(live.rows)
+            return s[keep]
+
+        unroll(step, s, R, rule=exits)
         if ctl.read_rounds:
             out = ctl.logits                                    # each row's exit-round readout
         return out, ctl.exit_round.cpu(), ctl

@@ -146,9 +146,6 @@ class PackedOps(Ops):
     def rope(self, start: int, T: int, positions: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.m.rope(start, T, positions)
 
-    def encode(self, idx: Tensor, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
-        return self.m.encode(idx, rope, cache, self)
-
     def core_step(self, s: Tensor, e: Tensor, r: int, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
         return self.m.core_step(s, e, r, rope, cache, self)
 

@@ -248,6 +248,20 @@ class LoopedLM(nn.Module):
     def hazard(self, s: Tensor) -> Tensor:
         return torch.sigmoid(self.gate(s).squeeze(-1))  # (B, T)
 
+    def loop_inputs(self, idx: Tensor, start: int = 0, positions: Tensor | None = None, cache: Any = None,
+                    ops: Ops = EAGER, generator: torch.Generator | None = None,
+                    initial_state: Tensor | None = None) -> tuple[Any, Tensor, Tensor]:
+        """What the loop starts from, set up in this one place for the training forward, the engine's
+        chunks and whole-sequence early exit: (RoPE tables, prelude output e, initial state s0) for
+        tokens idx (B, T) at positions start..start+T, or per-row `positions` (B, T); e and s0 (B, T, d).
+        initial_state (B, T, d), when given, replaces the recipe's (the engine's per-request noise
+        rows); the prelude writes its entries into `cache`."""
+        rope = self.rope(start, idx.shape[1], positions)
+        e = self.encode(idx, rope, cache, ops)                                     # (B, T, d)
+        s0 = (self.initial_state(e, generator, start, positions) if initial_state is None
+              else initial_state.to(e.dtype))
+        return rope, e, s0
+
     def encode(self, idx: Tensor, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
         x = self.embed(idx)
         if self.cfg.embed_scale != 1.0:
@@ -282,10 +296,8 @@ class LoopedLM(nn.Module):
         B, T = idx.shape
         if start_pos + T > self.cfg.context:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds the model context {self.cfg.context}")
-        rope = self.rope(start_pos, T, positions)
-        e = self.encode(idx, rope, cache)                     # (B, T, d)
-        s0 = (self.initial_state(e, generator, start_pos, positions) if initial_state is None
-              else initial_state.to(e.dtype))
+        rope, e, s0 = self.loop_inputs(idx, start_pos, positions, cache, generator=generator,
+                                       initial_state=initial_state)            # e, s0: (B, T, d)
 
         wanted = set(readout_rounds or ()) | {rounds}
         step = lambda s, r: self.core_step(s, e, r, rope, cache)    # noqa: E731

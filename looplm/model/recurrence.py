@@ -1,8 +1,10 @@
 """The one recurrence engine: run a step function for R rounds.
 
-Everything that loops in looplm goes through `unroll`: the transformer core, the seeds'
-scalar example s = w*s + e, the untied baseline (whose step picks a different block per
-round). It owns the two controls the seeds insist are separate:
+Everything that loops in looplm goes through `unroll`: the transformer core in training, in the
+engine's chunks (with its per-row exits as the `rule` that drops finished rows) and in
+whole-sequence early exit (its rule drops finished tokens), Mixture-of-Recursions (its step
+weighs each token's update), the seeds' scalar example s = w*s + e, the untied baseline (whose
+step picks a different block per round). It owns the two controls the seeds insist are separate:
 
 - forward depth `rounds`: how many times `step` runs;
 - backward window `backward_window` = B: only the last B rounds are part of the autograd
@@ -61,6 +63,7 @@ def unroll(
     readout: Callable[[Any, int], Any] | None = None,
     keep_states: bool = False,
     loss_rounds: Iterable[int] | None = None,
+    rule: Callable[[Any, int], Any] | None = None,
 ) -> Unrolled:
     """Run `state = step(state, r)` for r = 1..rounds.
 
@@ -72,6 +75,10 @@ def unroll(
     keep_states: also return the state after every round.
     loss_rounds: the readout rounds a loss will use (default: all of readout_rounds); only they
     make a round gradient-visible.
+    rule: how this caller drops finished tokens, applied after each round (and its readout):
+    `rule(state, r)` returns the state of the tokens that go on — fewer rows when some stopped,
+    the rule compacting whatever else its step reads — or None when none do, which ends the loop
+    (the engine's per-row exits, whole-sequence early exit). None: every token runs every round.
     """
     if type(rounds) is not int or rounds < 1:
         raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
@@ -95,6 +102,10 @@ def unroll(
             out.states.append(state)
         if r in wanted:
             out.readouts[r] = readout(state, r) if readout is not None else state
+        if rule is not None:
+            state = rule(state, r)
+            if state is None:
+                break
     out.state = state
     last = max((r for r in losses if first_grad <= r <= rounds), default=0)
     out.grad_rounds = tuple(r for r in reached if r <= last)
