@@ -11,7 +11,7 @@ gate-only steps, as `looplm train --stage2` does; 0 skips it). Then, on the run'
 1. finds by bisection the threshold of the chosen policy kind at which the *measured* mean rounds
    used is about half the round budget R (`--target 0.5`);
 2. times, interleaved and repeated, (a) the plain full-depth forward `model(x, R)`, (b) the
-   early-exit pass at that threshold (`looplm.evaluation.early_exit.early_exit`), and (c) the plain forward at
+   early-exit pass at that threshold (`looplm.inference.early_exit.early_exit`), and (c) the plain forward at
    fixed depth round(R/2) (the same average compute without adaptivity);
 3. prints medians, the time ratio (target <= 0.6x of full depth) and the quality cost (validation
    loss of each), plus the exact command. `--json` prints one JSON object instead.
@@ -33,7 +33,7 @@ import torch
 from _runs import trained_run
 
 import looplm
-from looplm.evaluation.early_exit import early_exit
+from looplm.inference.early_exit import early_exit
 from looplm.evaluation.rounds import eval_batches_for
 from looplm.model.losses import token_losses
 

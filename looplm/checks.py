@@ -337,7 +337,7 @@ def check_quantile_thresholds(run: Run) -> CheckResult:
     name = "quantile_exit_matches_cumulative_mass"
     if run.model.gate is None:
         return CheckResult.not_applicable(name, "the model has no exit gate")
-    from .evaluation.early_exit import early_exit
+    from .inference.early_exit import early_exit
     from .halting import parse_exit_policy
     recipe = run.recipe
     text = recipe.exit.policy if recipe.exit.policy.startswith("quantile") else "quantile:0.5"

@@ -1,4 +1,4 @@
-"""Per-token early exit (looplm/evaluation/early_exit.py) against independent computations.
+"""Per-token early exit (looplm/inference/early_exit.py, evaluated by looplm/evaluation/early_exit.py) against independent computations.
 
 - thresholds that never trigger give the plain full-depth forward, for every policy;
 - a token that exits at round r has nothing computed for rounds > r (the K/V writes, the rows
@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 import looplm
 from looplm.model.blocks import sdpa
-from looplm.evaluation.early_exit import AdaptiveOutput, early_exit, evaluate_exit, parse_sweep
+from looplm.evaluation.early_exit import evaluate_exit, parse_sweep
+from looplm.inference.early_exit import AdaptiveOutput, early_exit
 from looplm.cli import main
 from looplm.recipe.config import SupervisionConfig
 from looplm.errors import UserError
@@ -258,7 +259,7 @@ def probe_policy(m, idx, kind):
 def test_gathered_pass_equals_naive_reference(kind, layout, missing, monkeypatch):
     """The parallel whole-sequence pass (quantile with a coda; entropy/kl without one) against
     computing every token every round and keeping the active ones."""
-    import looplm.evaluation.early_exit as adaptive
+    import looplm.inference.early_exit as adaptive
     if layout == "chunked":   # pack active tokens into rows of 4: sequences span several rows
         monkeypatch.setattr(adaptive, "CHUNK_WIDTHS", (4,))
         monkeypatch.setattr(adaptive, "ROW_OVERHEAD", 0)
@@ -560,7 +561,7 @@ def test_eval_exit_bad_input_exits_2(gated_run, capsys, args, needle):
 def test_query_layout_covers_each_active_token_once(rows, widths, overhead):
     """Whatever the width, every active token gets exactly one real query slot, in its own
     sequence, and padding per sequence stays below the row width."""
-    import looplm.evaluation.early_exit as adaptive
+    import looplm.inference.early_exit as adaptive
     active = torch.tensor(rows)
     if not active.any():
         return
@@ -585,7 +586,7 @@ def test_query_layout_leaves_out_sequences_with_no_running_token():
     """A late round where one sequence of eight still runs 40 tokens: one gathered attention row
     of width 40 (cost 40 + ROW_OVERHEAD), not eight rows of which seven are padding (8 x 40) nor
     chunks of 16 or 32; with every sequence running, one row each and no gather."""
-    from looplm.evaluation.early_exit import QueryLayout
+    from looplm.inference.early_exit import QueryLayout
     active = torch.zeros(8, 128, dtype=torch.bool)
     active[5, 2:82:2] = True
     lay = QueryLayout.build(active)

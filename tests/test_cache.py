@@ -287,7 +287,7 @@ def test_a_chunk_of_some_rows_leaves_the_other_rows_alone(policy, missing, used)
 
 
 def test_caches_implement_the_protocol_the_model_calls():
-    from looplm.evaluation.early_exit import SequenceKV
+    from looplm.inference.early_exit import SequenceKV
     from looplm.inference.cache import KVCache
     model = tiny()
     assert isinstance(Engine(model, None, GenerationConfig()).new_cache(1, 4), KVCache)

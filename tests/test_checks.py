@@ -312,7 +312,7 @@ def test_quantile_exit_check_catches_a_controller_off_its_threshold(monkeypatch)
     recomputed from the recorded hazards; a controller that stops at another quantile fails."""
     import dataclasses
 
-    import looplm.evaluation.early_exit as ee
+    import looplm.inference.early_exit as ee
     from looplm.checks import check_quantile_thresholds
     run = untrained_run(**{"exit.gate": True, "supervision.kind": "learned_exit", "depth.kind": "fixed",
                            "depth.rounds": 4, "model.context": 32})

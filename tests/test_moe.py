@@ -245,7 +245,7 @@ def test_loopmoe_run_reports_routing_and_decodes_through_the_cli(tmp_path, capsy
 def test_early_exit_runs_the_moe_core():
     """fixed:R through the early-exit pass (running tokens packed into one row) equals the plain
     forward, and under a policy that stops tokens early each token's routing is its own."""
-    from looplm.evaluation.early_exit import early_exit
+    from looplm.inference.early_exit import early_exit
     m = moe_model(**{"model.n_coda": 0})
     x = torch.randint(0, 257, (2, 12))
     torch.testing.assert_close(early_exit(m, x, "fixed:3", 3).logits, m(x, 3).logits, rtol=0, atol=1e-5)

@@ -283,7 +283,7 @@ def test_length_curriculum_is_its_own_dial():
 def test_exit_policies_on_task_examples():
     """Answer positions follow the exit policy, the prompt runs every round: fixed:R is the plain
     evaluation at R; a policy that always exits at once reads every answer at round 1."""
-    from looplm.evaluation.early_exit import early_exit
+    from looplm.inference.early_exit import early_exit
     from looplm.evaluation.tasks import evaluate_examples_exit
     recipe = task_recipe(**{"data.difficulty_max": 2})
     torch.manual_seed(0)

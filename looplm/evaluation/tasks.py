@@ -96,10 +96,10 @@ def evaluate_examples_exit(model: torch.nn.Module, tok: Any, examples: list[Exam
 
     The prompt runs all `rounds` rounds (as a prefill would); the positions that predict answer
     tokens (the prompt's last token and the answer's) exit by the policy, and the rounds after
-    their exit are not computed (evaluation.early_exit). mean_rounds averages over those positions,
+    their exit are not computed (inference.early_exit). mean_rounds averages over those positions,
     mean_rounds_first_token over the positions that predict the answer's first token; wall_time_s
     times the early-exit forward passes."""
-    from ..evaluation.early_exit import early_exit
+    from ..inference.early_exit import early_exit
 
     model.eval()
     correct, loss_sum, tokens, used, used_first, wall = 0, 0.0, 0, 0, 0, 0.0

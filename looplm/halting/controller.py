@@ -3,7 +3,7 @@
 `ExitPolicy` is what `--exit fixed:R | quantile:Q | entropy:TAU | kl:EPS` means; `ExitController`
 holds each token's stop state across rounds (survival for quantile, the previous readout for kl,
 min_rounds, which positions may exit) and answers "which of these tokens stop now?". Evaluation
-(evaluation/early_exit.py), the cached engine, speculative drafts, batches and the server all ask
+(inference/early_exit.py), the cached engine, speculative drafts, batches and the server all ask
 it, so every path stops a token at the same round. Mixture-of-Recursions routers will plug in here.
 """
 
@@ -116,7 +116,7 @@ def successive_kl(logits: torch.Tensor, prev_logits: torch.Tensor) -> torch.Tens
 class ExitController:
     """The one early-exit decision: the per-token stop state of one pass of up to R rounds.
 
-    Evaluation (evaluation.early_exit, every token of a sequence), decoding (the Engine, one
+    Evaluation (inference.early_exit, every token of a sequence), decoding (the Engine, one
     column of every running row), speculative exit drafts and the server all decide through
     this class, so a policy means the same thing everywhere. Tokens are numbered 0..N-1 by the
     caller (flat (B*T) positions in evaluation, cache rows in decoding); after round r the

@@ -40,7 +40,7 @@ recursive sharing is `first` (the first recursion's entries serve every later on
 
 The seam with the model is `KVCache` (a typing.Protocol): the model's attention calls
 `attend(slot, q, k, v) -> y` and nothing else; `LoopKVCache` here (the decoder's) and
-`evaluation.early_exit.SequenceKV` (whole-sequence early exit) implement it. The chunk
+`inference.early_exit.SequenceKV` (whole-sequence early exit) implement it. The chunk
 protocol of `LoopKVCache` on top: `begin(start, T, phase, rows)` before a chunk (the rows it holds,
 default all: finished rows are left out, and a new prompt can take a finished row's place after
 `set_pad`), the model's attention calls `attend`, which writes through `update(slot, k, v) ->

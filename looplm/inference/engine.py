@@ -14,7 +14,7 @@ and `DecodeBatch.join` (batch.py) places a new prompt in a free row, right-align
 rows' column (continuous batching; `Engine.batch` opens one, the server keeps several).
 
 Exit policies (`fixed:R`, `quantile:Q`, `entropy:TAU`, `kl:EPS`) are decided per token after
-every round by `halting.ExitController`, the one controller evaluation (evaluation/early_exit.py) and
+every round by `halting.ExitController`, the one controller whole-sequence early exit (inference/early_exit.py) and
 speculative exit drafts use too; a row that exits stops computing (the remaining rows continue as
 a smaller batch), and the rounds each token ran are returned. Tokens that exited early leave
 holes in later rounds' history, which the cache fills by copy-forward or masks, as configured
