@@ -310,7 +310,8 @@ def test_too_many_requests_get_429_and_the_rest_succeed(server):
 
 def _scheduler(speculative=None, **limits):
     from looplm.inference.engine import Engine, GenerationConfig
-    from looplm.serve import Scheduler, ServeLimits
+    from looplm.inference.scheduler import Scheduler
+    from looplm.serve import ServeLimits
 
     torch.manual_seed(0)
     model = looplm.build_model(looplm.load_recipe("quickstart", overrides={**TINY, "model.context": 128})).eval()
@@ -320,7 +321,7 @@ def _scheduler(speculative=None, **limits):
 
 def _submit(sched, log, name, prompt, sp):
     """Queue one prompt whose events are logged as (name, token, last)."""
-    from looplm.serve import _Row
+    from looplm.inference.scheduler import Row as _Row
 
     def send(ev):
         assert not isinstance(ev, Exception), ev
