@@ -179,6 +179,7 @@ def test_a_trained_run_reports_routes_and_checks(tmp_path, capsys, monkeypatch, 
         assert got["mean_depth"] == pytest.approx(mean) and got["realised_capacity"] == pytest.approx(mean / 3)
     same_as_counted(rep)
     assert (tmp_path / "run" / "recursions.png").is_file()
+    assert "## Mixture-of-Recursions routing" in (tmp_path / "run" / "report.md").read_text()
     assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--json"]) == 0
     same_as_counted(json.loads(capsys.readouterr().out)["recursions"])
     assert main(["eval", str(tmp_path / "run"), "--exit", "entropy:1"]) == 2

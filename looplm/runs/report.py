@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .checkpoint import write_text
 from ..recipe.config import recipe_from_dict
@@ -177,13 +177,7 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
         for r, loss in extrap.items():
             beyond = "never run in training" if int(r) > deepest else ""
             lines.append(f"| {r} | {loss:.4f} | {hist.get(str(r), 0)} | {supervised.get(str(r), 0)} | {beyond} |")
-    if report.get("routing"):
-        from ..evaluation.routing import routing_markdown
-        lines += ["", "## Routing (LoopMoE)", "", routing_markdown(report["routing"])]
-    if report.get("recursions"):
-        from ..evaluation.routing import recursions_markdown
-        lines += ["", "## Mixture-of-Recursions routing", "", recursions_markdown(report["recursions"])]
-    for extra in report.get("sections", []):
+    for extra in report.get("sections", []):       # written by whoever measured them (routing, lens, exits)
         lines += ["", f"## {extra['title']}", "", extra["markdown"]]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
@@ -229,14 +223,6 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
     if any(r.get("state_rms") for r in rows):
         plot_round_telemetry(run_dir / "round_telemetry.png", rows)
         names.append("round_telemetry.png")
-    if report.get("routing"):
-        from ..evaluation.routing import plot_routing
-        plot_routing(run_dir / "routing.png", report["routing"])
-        names.append("routing.png")
-    if report.get("recursions"):
-        from ..evaluation.routing import plot_recursions
-        plot_recursions(run_dir / "recursions.png", report["recursions"])
-        names.append("recursions.png")
     return names
 
 
@@ -307,9 +293,16 @@ def plot_depth_extrapolation(path: Path, report: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-def write_report(run_dir: Path, report: dict[str, Any]) -> None:
+def write_report(run_dir: Path, report: dict[str, Any],
+                 extra_plots: dict[str, Callable[[Path], None]] | None = None) -> None:
+    """report.json, the plots and report.md. extra_plots: file name -> what draws it, for plots of
+    measurements this package does not make itself (the trainer passes the routing plots), as
+    report["sections"] carries their markdown."""
     run_dir = Path(run_dir)
     plots = write_plots(run_dir, report)
+    for name, draw in (extra_plots or {}).items():
+        draw(run_dir / name)
+        plots.append(name)
     write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     write_text(run_dir / "report.md", render_markdown(report, plots))
 

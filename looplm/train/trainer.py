@@ -496,7 +496,11 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     report["peak_rss_bytes_per_rank"] = [r[0] for r in peak_rss]
     report["rss_growth_bytes_per_rank"] = [None if r[2] < 0 else r[2] for r in peak_rss]
     report["peak_device_memory_bytes_per_rank"] = [r[1] or None for r in peak_rss]
-    write_report(run_dir, report)
+    from ..evaluation.routing import plot_recursions, plot_routing
+    plots = {name: (lambda path, draw=draw, key=key: draw(path, report[key]))
+             for name, draw, key in (("routing.png", plot_routing, "routing"),
+                                     ("recursions.png", plot_recursions, "recursions")) if report.get(key)}
+    write_report(run_dir, report, plots)
     if tb is not None:
         tb.write({"val_loss": {f"rounds_{r}": v for r, v in report["val_loss_by_rounds"].items()}}, step=total)
         tb.close()
@@ -626,12 +630,18 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         val_all = evaluate_rounds(model, batches, sorted(set(rounds_list) | set(extrap)))
         val = {r: val_all[r] for r in rounds_list}
         extra = {"val_loss_extrapolation": {str(r): val_all[r]["loss"] for r in extrap}}
+        sections = []    # report.md's sections for what evaluation measured (runs/ renders, never measures)
         if model.cfg.moe_experts:   # how tokens use the shared experts across visits
-            from ..evaluation.routing import routing_report
+            from ..evaluation.routing import routing_markdown, routing_report
             extra["routing"] = routing_report(model, batches, recipe.depth.rounds)
+            sections.append({"title": "Routing (LoopMoE)", "markdown": routing_markdown(extra["routing"])})
         if model.cfg.mor != "none":  # the depths the router chose
-            from ..evaluation.routing import recursions_report
+            from ..evaluation.routing import recursions_markdown, recursions_report
             extra["recursions"] = recursions_report(model, batches)
+            sections.append({"title": "Mixture-of-Recursions routing",
+                             "markdown": recursions_markdown(extra["recursions"])})
+        if sections:
+            extra["sections"] = sections
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     return {
         "recipe": recipe.to_dict(),
