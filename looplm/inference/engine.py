@@ -43,7 +43,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,7 +59,7 @@ from .sampler import SamplingParams, TokenEvent, is_int, positions_run
 from .batch import DecodeBatch
 from .speculative import SpeculativeRun, parse_speculative
 
-__all__ = ["Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
+__all__ = ["ChunkResult", "Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +83,15 @@ class GenerationConfig:
     """Exit policies never stop before this round."""
     exit_in_prefill: bool = False
     """Let prompt tokens exit early too (the prompt then runs token by token)."""
+
+
+class ChunkResult(NamedTuple):
+    """What one chunk (`Engine.run_chunk`) produced; unpacks as (logits, rounds_used)."""
+
+    logits: Tensor
+    """(B, T, V) with all_logits, else (B, V) at the chunk's last column."""
+    rounds_used: Tensor | int
+    """Rounds each row ran: an int when every row ran the same, else (B,) (per-row exits)."""
 
 
 @dataclass
@@ -337,12 +346,12 @@ class Engine:
                   commit: bool = True, rows: Tensor | None = None,
                   trace: list[tuple[Tensor, Tensor]] | None = None,
                   may_exit: Tensor | None = None, work: DecodeWork | None = None,
-                  work_phase: str | None = None) -> tuple[Tensor, Tensor | int]:
+                  work_phase: str | None = None) -> ChunkResult:
         """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`).
 
-        Returns (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at the last
-        column; rounds_used an int, or (B,) when the exit policy decided per row (decode chunks
-        of one column; prefill ones too with exit_in_prefill). `phase`: "prefill" for prompt
+        Returns a ChunkResult (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at
+        the last column; rounds_used an int, or (B,) when the exit policy decided per row (decode
+        chunks of one column; prefill ones too with exit_in_prefill). `phase`: "prefill" for prompt
         tokens (the prefill cache policy, and no exits unless the policy allows them) or
         "decode". `rounds` forces a fixed depth (speculative drafts). `noise`: the rows' initial
         states from `initial_noise`. `commit=False` leaves the chunk open (a draft that
@@ -367,7 +376,7 @@ class Engine:
                 cache.commit(R)
             if work is not None:    # the coda runs on every column, the head on the last (on each with all_logits)
                 work.add(work_phase or phase, start, R, columns=T, heads=T if all_logits else 1, rows=idx.shape[0])
-            return logits, R
+            return ChunkResult(logits, R)
         if T != 1:
             raise ValueError("per-token exits run one column at a time")
         if may_exit is not None and rows is not None:          # the controller counts cache rows
@@ -380,7 +389,7 @@ class Engine:
             for u, n in Counter((used if rows is None else used[rows.cpu()]).tolist()).items():
                 work.add(work_phase or phase, start, u, readouts=sum(r <= u for r in reads) + (u not in reads),
                          gate_rounds=u if ctl.needs_hazard else 0, rows=n)
-        return (logits, used) if rows is None else (logits[rows], used[rows.cpu()])
+        return ChunkResult(logits, used) if rows is None else ChunkResult(logits[rows], used[rows.cpu()])
 
     def chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
                      rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
