@@ -184,8 +184,8 @@ def test_a_joining_prompt_prefilled_in_chunks_equals_it_alone(config, chunk):
     quiet = []
 
     def on_step(events):     # while a row joins, every running row still gets its token
-        running = [b for b in range(batch.B) if not batch.done[b] and b not in batch.joining]
-        quiet.append(bool(batch.joining) and not events and bool(running))
+        running = [b for b, r in enumerate(batch.requests) if not r.done and r.joining is None]
+        quiet.append(bool(batch._joining()) and not events and bool(running))
     _drive(batch, list(joiners), owner, got, on_step)
     assert not any(quiet)
     for name, prompt, sp in starters + joiners:
@@ -205,7 +205,7 @@ def test_a_joining_prompt_survives_steps_that_run_every_row():
     run_chunk = eng.run_chunk
 
     def spy(idx, start, cache, **kw):
-        calls.append((idx.shape[1], kw.get("rows") is None, bool(batch.joining)))
+        calls.append((idx.shape[1], kw.get("rows") is None, bool(batch._joining())))
         return run_chunk(idx, start, cache, **kw)
     eng.run_chunk = spy
     owner = {b: str(b) for b in range(4)}

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from ..model.looped import initial_noise_table
-from .sampler import RowText, Sampler, SamplingParams, TokenEvent, positions_run, token_logprobs
+from .request import JoinProgress, RequestState
+from .sampler import Sampler, SamplingParams, TokenEvent, positions_run, token_logprobs
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -83,26 +84,19 @@ class DecodeBatch:
         self.B, self.n_start = B, n
         self.idx, pad = left_padded(ids, ref.device, rows=B)                  # (n, P), (B,)
         self.cache = engine.new_cache(B, length or need, pad)
-        self.plist = list(plist) + [SamplingParams(max_new_tokens=1)] * (B - n)    # free rows: placeholders
-        self.noise = engine.initial_noise(self.plist, ref)                            # (B, context, d) or None
-        self.sampler = Sampler(self.plist, list(ids) + [[]] * (B - n), engine.cfg.vocab_size, ref.device)
-        self.texts = [RowText(engine.tokenizer, sp.stop, deltas) for sp in self.plist]
+        plist = list(plist) + [SamplingParams(max_new_tokens=1)] * (B - n)         # free rows: placeholders
+        # each row's request: its params, text, tokens, prompt figures (request.py); free rows start done
+        self.requests = [RequestState.new(sp, engine.tokenizer, deltas, done=b >= n) for b, sp in enumerate(plist)]
+        self.noise = engine.initial_noise(plist, ref)                                 # (B, context, d) or None
+        self.sampler = Sampler(plist, list(ids) + [[]] * (B - n), engine.cfg.vocab_size, ref.device)
         self.eos = getattr(engine.tokenizer, "eos_id", None)
-        self.done, self.n_out = [False] * n + [True] * (B - n), [0] * B
-        self.tokens, self.rounds = [0] * B, [0] * B          # each row's latest token and its rounds
-        self.lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * B    # and its logprobs
-        self._prompt_lp: dict[int, tuple[list, list]] = {}   # row -> its prompt's logprobs so far (prompt_logprobs)
-        self._prompt_carry: dict[int, Tensor] = {}           # row -> its last prefilled column's logits (V,)
         self.col = P                                         # the column the next decode step writes
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
         exact = engine.config.prefill_cache == "full"
         self.join_chunk = prefill_chunk if prefill_chunk and exact else None   # None: prompts run whole
         self.chunk = self.join_chunk or P                                      # prompt columns per prefill step
-        # row -> (prompt (1, L), its first column, columns done, [(step, columns)] still to run); a
-        # step is named by the column count after its decode (self.col); the budget's tail: (step, used)
-        self.joining: dict[int, tuple[Tensor, int, int, list[tuple[int, int]]]] = {}
-        self._join_tail = (0, 0)
+        self._join_tail = (0, 0)          # the joining prompts' budget's tail: (step, columns used there)
         self.prefilled, self._prefill_t0, self._prefill_s = 0, 0.0, 0.0    # columns done; first start; compute s
         self.started = False
         self.latencies: list[float] = []
@@ -117,7 +111,10 @@ class DecodeBatch:
 
     @property
     def finished(self) -> bool:
-        return self.started and all(self.done)
+        return self.started and all(r.done for r in self.requests)
+
+    def _joining(self) -> list[int]:
+        return [b for b, r in enumerate(self.requests) if r.joining is not None]
 
     def step(self) -> list[TokenEvent]:
         """The next token of every running row (the first call: every row's first token)."""
@@ -126,7 +123,7 @@ class DecodeBatch:
         with torch.inference_mode():
             if not self.started:
                 return self._emit(list(range(self.n_start))) if self._prefill() else []
-            rows = [b for b in range(self.B) if not self.done[b] and b not in self.joining]
+            rows = [b for b, r in enumerate(self.requests) if not r.done and r.joining is None]
             if rows:
                 self._decode(rows)
             else:
@@ -140,7 +137,7 @@ class DecodeBatch:
         token comes with the step that runs its last columns."""
         e = self.engine
         (ids,), (sp,) = e.prepare([prompt], params)
-        free = [b for b in range(self.B) if self.done[b] and b not in self.joining]
+        free = [b for b, r in enumerate(self.requests) if r.done and r.joining is None]
         if not self.started or self.finished or not free:
             return None
         L = len(ids)
@@ -154,15 +151,11 @@ class DecodeBatch:
             self.cache.set_pad(b, start)
             if self.noise is not None:
                 self.noise[b] = initial_noise_table(e.cfg, sp.seed).to(self.noise)
-            self.plist[b] = sp
             self.sampler.set_row(b, sp, ids)
-            self.texts[b] = RowText(e.tokenizer, sp.stop, self.deltas)
-            self._prompt_lp.pop(b, None)
-            self._prompt_carry.pop(b, None)
-            self.done[b], self.n_out[b] = False, 0
+            self.requests[b] = req = RequestState.new(sp, e.tokenizer, self.deltas)     # nothing of the last one
             idx = torch.tensor([ids], dtype=torch.long, device=self.idx.device)
             if parts:
-                self.joining[b], self._join_tail = (idx, start, 0, parts), tail
+                req.joining, self._join_tail = JoinProgress(idx, start, 0, parts), tail
                 return b, []
             logits, used = self._run_prompt(idx, start, torch.tensor([b], device=self.idx.device))
             self._sampled(logits, used, [b])
@@ -170,11 +163,9 @@ class DecodeBatch:
 
     def cancel(self, row: int) -> None:
         """Stop a row (its client went away): no more events, its place is free for `join`."""
-        if self.started and not self.done[row]:
-            self.done[row] = True
-            self.joining.pop(row, None)
-            self._prompt_lp.pop(row, None)
-            self._prompt_carry.pop(row, None)
+        req = self.requests[row]
+        if self.started and not req.done:
+            req.done, req.joining, req.prompt_lp, req.prompt_carry = True, None, None, None
             self._maybe_finish()
 
     # -- inside ---------------------------------------------------------------------------
@@ -184,7 +175,7 @@ class DecodeBatch:
         asked for `prompt_logprobs` get this chunk's figures recorded."""
         e = self.engine
         cache_rows = list(range(idx.shape[0])) if rows is None else rows.tolist()
-        want = [(j, b) for j, b in enumerate(cache_rows) if self.plist[b].prompt_logprobs is not None]
+        want = [(j, b) for j, b in enumerate(cache_rows) if self.requests[b].params.prompt_logprobs is not None]
         if not (e.adaptive and e.policy.exit_in_prefill):
             logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows,
                                        all_logits=bool(want), work=self.work)
@@ -204,19 +195,22 @@ class DecodeBatch:
         last for the first column); a row's first column (its pad) gets None."""
         T = idx.shape[1]
         for j, b in want:
-            pad, top = int(self.cache.pad[b]), self.plist[b].prompt_logprobs
-            lps, tops = self._prompt_lp.setdefault(b, ([], []))
+            req = self.requests[b]
+            pad, top = int(self.cache.pad[b]), req.params.prompt_logprobs
+            if req.prompt_lp is None:
+                req.prompt_lp = ([], [])
+            lps, tops = req.prompt_lp
             if start <= pad < start + T:
                 lps.append(None)
                 tops.append(None)
             sel = [i for i in range(T) if start + i > pad]
             if sel:
-                carry = self._prompt_carry[b] if start > pad else logits[j, 0]            # (V,); unused at start == pad
+                carry = req.prompt_carry if start > pad else logits[j, 0]                 # (V,); unused at start == pad
                 pred = torch.cat([carry[None], logits[j, :-1]])                           # pred[i] scores column start+i
                 got = token_logprobs(pred[sel], idx[j, sel].tolist(), [top] * len(sel))
                 lps += [lp for lp, _ in got]
                 tops += [t for _, t in got]
-            self._prompt_carry[b] = logits[j, -1]
+            req.prompt_carry = logits[j, -1]
 
     def _join_parts(self, L: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
         """The steps that would prefill a joining prompt of L tokens: [(step, columns)] in the
@@ -240,15 +234,18 @@ class DecodeBatch:
         """This step's columns of the joining prompts; the rows whose prompt is now complete, with
         their first token sampled."""
         ready = []
-        for b, (idx, start, done, parts) in list(self.joining.items()):
-            if parts[0][0] != self.col:
+        for b in self._joining():
+            req = self.requests[b]
+            jp = req.joining
+            if jp.parts[0][0] != self.col:
                 continue                                     # its turn comes later
-            end = done + parts[0][1]
-            logits, used = self._run_prompt(idx[:, done:end], start + done, torch.tensor([b], device=idx.device))
-            if len(parts) > 1:
-                self.joining[b] = (idx, start, end, parts[1:])
+            end = jp.done + jp.parts[0][1]
+            logits, used = self._run_prompt(jp.prompt[:, jp.done:end], jp.start + jp.done,
+                                            torch.tensor([b], device=jp.prompt.device))
+            if len(jp.parts) > 1:
+                jp.done, jp.parts = end, jp.parts[1:]
                 continue
-            del self.joining[b]
+            req.joining = None
             self._sampled(logits, used, [b])
             ready.append(b)
         return ready
@@ -281,7 +278,7 @@ class DecodeBatch:
         the batch; otherwise every row runs (reading a scattered subset copies its keys and
         values) and only the running rows are sampled; the others' entries are never read."""
         e, dev = self.engine, self.idx.device
-        toks = torch.tensor([self.tokens[b] for b in rows], dtype=torch.long, device=dev)
+        toks = torch.tensor([self.requests[b].token for b in rows], dtype=torch.long, device=dev)
         self.sampler.observe(toks, rows)
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         if len(rows) < self.B and (consecutive or 2 * len(rows) <= self.B):
@@ -289,7 +286,7 @@ class DecodeBatch:
             logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel,
                                        work=self.work)
         else:
-            every = torch.tensor(self.tokens, dtype=torch.long, device=dev)
+            every = torch.tensor([r.token for r in self.requests], dtype=torch.long, device=dev)
             logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise, work=self.work)
             if len(rows) < self.B:
                 logits = logits[rows]
@@ -305,39 +302,26 @@ class DecodeBatch:
         """Sample the next token of `rows` from their logits (len(rows), V)."""
         toks = self.sampler(logits, rows).tolist()
         used_l = [used] * len(rows) if isinstance(used, int) else used.tolist()
-        for b, tok, n in zip(rows, toks, used_l):
-            self.tokens[b], self.rounds[b] = tok, n
-        want = [j for j, b in enumerate(rows) if self.plist[b].logprobs is not None]
+        want = [j for j, b in enumerate(rows) if self.requests[b].params.logprobs is not None]
+        lps: dict[int, Any] = {}
         if want:
-            got = token_logprobs(logits[want], [toks[j] for j in want], [self.plist[rows[j]].logprobs for j in want])
-            for j, lp in zip(want, got):
-                self.lps[rows[j]] = lp
+            got = token_logprobs(logits[want], [toks[j] for j in want],
+                                 [self.requests[rows[j]].params.logprobs for j in want])
+            lps = dict(zip(want, got))
+        for j, (b, tok, n) in enumerate(zip(rows, toks, used_l)):
+            self.requests[b].sampled(tok, n, lps.get(j))
 
     def _emit(self, rows: list[int]) -> list[TokenEvent]:
-        """The events of `rows`' latest tokens; rows end on eos, a stop string or their length."""
-        events = []
-        for b in rows:
-            tok, sp = self.tokens[b], self.plist[b]
-            self.n_out[b] += 1
-            eos = sp.stop_at_eos and self.eos is not None and tok == self.eos
-            delta, reason = self.texts[b].add(tok, eos, self.n_out[b] >= sp.max_new_tokens)
-            self.done[b] = reason is not None
-            lp = self.lps[b] if sp.logprobs is not None else None
-            plp = None
-            if self.n_out[b] == 1:                            # its prompt is done: its figures go out once
-                plp = self._prompt_lp.pop(b, None)
-                self._prompt_carry.pop(b, None)
-            events.append(TokenEvent(row=b, token=tok, text=delta, rounds=self.rounds[b], finish_reason=reason,
-                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None,
-                                     prompt_logprobs=plp[0] if plp else None,
-                                     prompt_top_logprobs=plp[1] if plp else None))
+        """The events of `rows`' latest tokens (RequestState.emit: a row ends on eos, a stop string or
+        its length)."""
+        events = [self.requests[b].emit(b, self.eos) for b in rows]
         self._maybe_finish()
         return events
 
     def _maybe_finish(self) -> None:
         """When every row is done: the decode figures of the batch's stats (`flops`: forward FLOPs of
         every column computed, by phase; the finished rows a whole-batch step runs included)."""
-        if all(self.done):
+        if all(r.done for r in self.requests):
             w = self.work
             self.stats["flops"] = {"prefill": 0.0, "decode": 0.0, **w.by_phase, "attention": w.attention}
             decode_s = sum(self.latencies)
