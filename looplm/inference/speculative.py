@@ -30,7 +30,8 @@ from .cache import LoopKVCache
 from ..model.flops import DecodeWork
 from ..model.recurrence import unroll
 from ..errors import UserError
-from .sampler import RowText, Sampler, SamplingParams, TokenEvent, token_logprobs
+from .request import RequestState
+from .sampler import Sampler, SamplingParams, TokenEvent, token_logprobs
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -86,8 +87,8 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     cache = engine.new_cache(1, P + sp.max_new_tokens + K + 1)
     noise = engine.initial_noise(plist, next(engine.model.parameters()))
     sampler = Sampler(plist, ids, engine.cfg.vocab_size, dev)
-    text = RowText(engine.tokenizer, sp.stop, deltas)
-    eos = getattr(engine.tokenizer, "eos_id", None) if sp.stop_at_eos else None
+    req = RequestState.new(sp, engine.tokenizer, deltas)          # the one row's request (request.py)
+    eos = getattr(engine.tokenizer, "eos_id", None)
     stats: dict[str, Any] = {"batch": 1, "rounds": R, "exit": f"fixed:{R}",
                              "prefill_cache": engine.config.prefill_cache, "decode_cache": "full",
                              "missing": engine.config.missing, "cache_bytes": cache.nbytes(),
@@ -95,7 +96,7 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
                                              "draft_exit": None if draft_rounds else str(engine.policy)}}
     spec = stats["speculative"]
     engine.last_stats = stats
-    n_out, draft_round_sum = 0, 0
+    draft_round_sum = 0
     work = DecodeWork(engine.cfg)      # every column computed, recorded by the chunks that compute it
 
     def logprobs(rows: Tensor, toks: list[int]) -> list[Any]:
@@ -106,10 +107,9 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     scored = sp.prompt_logprobs is not None
     logits, _ = engine.run_chunk(torch.tensor([prompt], device=dev), 0, cache, phase="prefill", rounds=R,
                                  noise=noise, all_logits=scored, work=work)
-    prompt_lp: tuple[list, list] | None = None
     if scored:                     # column c's logits score the prompt token at c + 1
         got = token_logprobs(logits[0, :-1], prompt[1:], [sp.prompt_logprobs] * (P - 1))
-        prompt_lp = [None] + [lp for lp, _ in got], [None] + [t for _, t in got]
+        req.prompt_lp = [None] + [lp for lp, _ in got], [None] + [t for _, t in got]
         logits = logits[:, -1]
     pending = int(sampler(logits)[0])
     emit_lp = logprobs(logits, [pending])
@@ -120,21 +120,17 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
     while True:
         events = []
         for tok, lp in zip(emit, emit_lp):
-            n_out += 1
-            delta, reason = text.add(tok, tok == eos, n_out >= sp.max_new_tokens)
-            first = n_out == 1 and prompt_lp is not None
-            events.append(TokenEvent(row=0, token=tok, text=delta, rounds=R, finish_reason=reason,
-                                     logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else None,
-                                     prompt_logprobs=prompt_lp[0] if first else None,
-                                     prompt_top_logprobs=prompt_lp[1] if first else None))
-            if reason:
+            req.sampled(tok, R, lp)
+            events.append(req.emit(0, eos))
+            if req.done:
                 break
             sampler.observe_one(tok)
+        reason = req.done
         yield events
         if reason:
             break
         # draft k tokens after `pending` with few rounds, reading the full-depth history
-        k = min(K, sp.max_new_tokens - n_out - 1, ctx - 1 - col)
+        k = min(K, sp.max_new_tokens - req.n_out - 1, ctx - 1 - col)
         drafts: list[int] = []
         q_list: list[Tensor | None] = []
         trace: list[tuple[Tensor, Tensor]] = []
@@ -169,7 +165,7 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
         emit_lp = logprobs(lg[0, :accepted + 1], emit)
         pending, col = nxt, col + accepted + 1
     decode_s = time.perf_counter() - decode_start
-    n_dec = max(n_out - 1, 0)
+    n_dec = max(req.n_out - 1, 0)
     spec["acceptance_rate"] = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
     spec["draft_mean_rounds"] = draft_round_sum / spec["drafted"] if spec["drafted"] else 0.0
     spec["flops"] = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, **work.by_phase, "attention": work.attention}
