@@ -87,11 +87,15 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     from .data.prepared import prepare
     from .recipe.config import load_recipe
 
-    recipe = load_recipe(args.recipe or "quickstart", _overrides(args.set))
-    m = prepare(args.source, args.out, recipe)
-    print(f"prepared {args.out}: {m['tokens']['train']} train / {m['tokens']['val']} val tokens "
-          f"({m['documents']['train']} / {m['documents']['val']} documents), {m['tokenizer']['kind']} tokenizer "
-          f"of {m['tokenizer']['vocab_size']} ids; train with --set data.path={args.out}", file=sys.stderr)
+    # SOURCE is the data.path this recipe reads (so data.text_field applies to it)
+    overrides = {**_overrides(args.set), "data.path": args.source}
+    overrides.update({k: v for k, v in (("data.tokenizer", args.tokenizer), ("data.text_field", args.text_field)) if v})
+    recipe = load_recipe(args.recipe or "quickstart", overrides)
+    m = prepare(args.source, args.out, recipe, shard_tokens=args.shard_tokens, progress=False if args.quiet else None)
+    print(f"prepared {args.out}: {m['tokens']['train']} train tokens in {len(m['shards']['train'])} shard(s) / "
+          f"{m['tokens']['val']} val tokens ({m['documents']['train']} / {m['documents']['val']} documents), "
+          f"{m['tokenizer']['kind']} tokenizer of {m['tokenizer']['vocab_size']} ids; "
+          f"train with --set data.path={args.out}", file=sys.stderr)
     print(args.out)
     return 0
 
@@ -466,13 +470,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     dp = sub.add_parser("data", help="data tools")
     dsub = dp.add_subparsers(dest="data_command", required=True)
-    dpp = dsub.add_parser("prepare", help="tokenize a text file, folder or JSONL file (\"text\" per line) once "
-                                          "into DIR; then train with --set data.path=DIR")
-    dpp.add_argument("source", help="text file, folder of text files, or .jsonl with a \"text\" field per line")
-    dpp.add_argument("--out", required=True, help="the prepared folder (train.bin, val.bin, tokenizer, manifest.json)")
+    dpp = dsub.add_parser("prepare", help="tokenize text, JSONL, parquet or a saved datasets folder once into "
+                                          "memory-mapped token shards in DIR (resumable: rerun after a kill); then "
+                                          "train with --set data.path=DIR")
+    dpp.add_argument("source", help="text file or folder of text files, .jsonl file, .parquet file or folder of "
+                                    "them, or a saved datasets folder")
+    dpp.add_argument("--out", required=True, help="the prepared folder (train-NNNNN.bin shards, val.bin, tokenizer, "
+                                                  "manifest.json)")
     dpp.add_argument("--recipe", help="built-in name or TOML path whose data.tokenizer, model.vocab_size, "
-                                      "data.max_bytes and data.val_fraction apply (default quickstart)")
+                                      "data.max_bytes, data.val_fraction and data.text_field apply (default quickstart)")
     dpp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
+    dpp.add_argument("--tokenizer", choices=("byte", "bpe"), help="data.tokenizer (default the recipe's)")
+    dpp.add_argument("--text-field", metavar="F", help="data.text_field: the JSONL key or parquet/datasets column "
+                                                      "holding the text (default \"text\")")
+    dpp.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+                     help="tokens per training shard (default 16777216)")
+    dpp.add_argument("--quiet", action="store_true", help="no progress bars (shown on a terminal's stderr)")
     dpp.set_defaults(func=cmd_data_prepare)
 
     e = sub.add_parser("eval", help="held-out loss by rounds")

@@ -42,6 +42,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
                   ("expert_choice", {"depth.kind": "fixed", "depth.rounds": 1, "backward.window": "all"})],
     "optim.schedule": [("cosine", {}), ("wsd", {}), ("constant", {})],
     "data.task": [("", {}), ("chain", {}), ("held_out.jsonl", {})],
+    "data.path": [("", {}), ("corpus.jsonl", {})],
     "data.depth_by_difficulty": [(False, {}), (True, {"data.task": "chain", "depth.kind": "uniform"})],
     "data.train_length_min": [(0, {}), (2, {})],
 }

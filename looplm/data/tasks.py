@@ -38,7 +38,6 @@ next-token-prediction mask that selects exactly the answer tokens.
 
 from __future__ import annotations
 
-import json
 import random
 import string
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from .sources import jsonl_objects
 
 # The prompt says "here comes the answer" with this; the answer then ends with a newline,
 # which is also where greedy decoding stops.
@@ -428,33 +428,16 @@ def load_jsonl(path: str | Path) -> list[Example]:
 
     Optional "difficulty" (int) is kept, and optional "trace" (a list of strings: the intermediate
     result after each step, for data.round_targets = "trace"); other fields are ignored. Blank
-    lines are skipped. A line without "difficulty" reads as difficulty 0 with meta["difficulty"]
-    None, so a caller can tell a file that gives no difficulties (taskdata.read_task_file refuses
-    a file that gives them on some lines only).
+    lines are skipped (sources.jsonl_objects, the one JSON Lines reader, streams the lines). A line
+    without "difficulty" reads as difficulty 0 with meta["difficulty"] None, so a caller can tell a
+    file that gives no difficulties (taskdata.read_task_file refuses a file that gives them on some
+    lines only).
     Any problem raises UserError naming the file and the 1-based line number.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
     examples = []
-    # Split bytes, not text, so a bad byte is reported on its own line rather than
-    # failing the whole file at once.
-    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+    for lineno, obj in jsonl_objects(path, 'with "prompt" and "answer"'):
         where = f"{path}, line {lineno}"
-        try:
-            text = line.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a BOM
-        except UnicodeDecodeError as e:
-            raise UserError(f"{where}: not valid UTF-8 (bad byte at column {e.start + 1})") from None
-        if not text.strip():
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise UserError(f"{where}: expected a JSON object with \"prompt\" and \"answer\", got {type(obj).__name__}")
         for key in ("prompt", "answer"):
             if key not in obj:
                 raise UserError(f"{where}: missing field {key!r}")

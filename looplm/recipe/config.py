@@ -342,7 +342,9 @@ class ExitConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     path: str = applies(TEXT_DATA, default="")
-    """Text file or folder for language-model data; empty = the embedded corpus (this Python's stdlib source)."""
+    """Language-model data: a text file or folder of text files, a .jsonl file, a .parquet file or folder of them, a saved datasets folder, or a `looplm data prepare` folder; empty = the embedded corpus (this Python's stdlib source)."""
+    text_field: str = applies(TEXT_DATA, unless("data.path", ""), default="text")
+    """The JSONL key or the parquet / datasets column holding each document's text; plain text has no fields and refuses another value."""
     task: str = ""
     """A built-in task generator name or a JSONL path of {prompt, answer} lines (see docs/tasks.md)."""
     tokenizer: Literal["byte", "bpe", "pretrained"] = "byte"
@@ -389,6 +391,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_bytes >= 1000, "data.max_bytes", "must be >= 1000")
+        _check(bool(self.text_field), "data.text_field", "must name a key or column (not empty)")
         _check(0 < self.val_fraction < 1, "data.val_fraction", "must lie in (0, 1)")
         _check(self.seq_len >= 2, "data.seq_len", "must be >= 2")
         _check(self.difficulty_min >= 0, "data.difficulty_min", "must be >= 0")

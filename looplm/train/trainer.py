@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..data import prepared
 from ..data import text as data_mod
+from ..data.sources import open_source
 from ..runs.tensorboard import TensorBoardLog, require_tensorboard
 from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_index, optimizer_state_for,
                                repair_checkpoint, save_checkpoint, write_text)
@@ -140,15 +141,19 @@ def prepare_data(recipe: Recipe, run_dir: Path, resume: bool, write: bool = True
         from ..data.taskdata import prepare_task_data
         return prepare_task_data(recipe, run_dir, write=write)
     ddir = run_dir / "data"
-    if resume and (ddir / "train.bin").exists():
+    if resume and data_mod.has_tokens(ddir / "train.bin"):     # one file, or a prepared folder's shards
         tok = load_tokenizer(run_dir / "checkpoint")
         return tok, data_mod.open_tokens(ddir / "train.bin"), data_mod.open_tokens(ddir / "val.bin")
     if prepared.is_prepared(recipe.data.path):   # `looplm data prepare` output: its tokens, not the text again
         return prepared.use_prepared(recipe, recipe.data.path, run_dir)
-    docs = data_mod.read_documents(recipe.data.path or None, recipe.data.max_bytes)
-    train_docs, val_docs = data_mod.split_documents(docs, recipe.data.val_fraction)
-    return prepared.tokenize_splits(recipe.data.tokenizer, recipe.model.vocab_size, lambda: train_docs,
-                                    lambda: val_docs, run_dir / "checkpoint", ddir)
+    # any other source is streamed: one pass decides the split, the next ones tokenize each side
+    source = open_source(recipe.data.path or None, recipe.data.text_field)
+    max_bytes = recipe.data.max_bytes
+    split = prepared.split_source(source, max_bytes, recipe.data.val_fraction)
+    return prepared.tokenize_splits(recipe.data.tokenizer, recipe.model.vocab_size,
+                                    lambda: split.select(source.documents(max_bytes), "train"),
+                                    lambda: split.select(source.documents(max_bytes), "val"),
+                                    run_dir / "checkpoint", ddir)
 
 
 def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor, step: int, micro: int,
@@ -588,8 +593,9 @@ def _adopt_data(src: Path, run_dir: Path) -> None:
     for f in (src / "checkpoint").iterdir():
         if f.is_file() and f.name not in ("model.safetensors", "state.pt") and not f.name.startswith("."):
             shutil.copy2(f, run_dir / "checkpoint" / f.name)
-    if (src / "data").is_dir():
-        shutil.copytree(src / "data", run_dir / "data", dirs_exist_ok=True)
+    if (src / "data").is_dir():   # token files hard-linked where possible: a prepared corpus is not copied
+        shutil.copytree(src / "data", run_dir / "data", dirs_exist_ok=True,
+                        copy_function=lambda a, b: prepared.link_or_copy(Path(a), Path(b)))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
