@@ -229,3 +229,24 @@ def test_check_on_an_imported_run_skips_only_training_records(hf_models, tmp_pat
     assert check_token_accounting(run).kind == "not_applicable"
     assert check_round_telemetry(run).kind == "not_applicable"
     assert check_causality(run).passed and check_untied_parity(run).passed
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_lm_eval_scores_equal_lm_evals_own_hf_model(hf_models, tmp_path, name):
+    """lm-evaluation-harness on the imported run at one round (looplm's native model, the cached engine)
+    against lm-eval's own `hf` model on the original weights: per request, the same log-likelihood and
+    is_greedy."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from looplm.lm_eval import LoopLM
+    hf, folder = hf_models[name]
+    run_dir = import_hf(folder, tmp_path / "run")
+    pairs = [("the loop runs", " its rounds"), ("a shared block,", " read out at the end."),
+             ("the", " loop"), ("rounds; a shared", " block")]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    theirs = HFLM(pretrained=hf, tokenizer=transformers.AutoTokenizer.from_pretrained(folder), batch_size=2,
+                  device="cpu").loglikelihood(requests)
+    ours = LoopLM(run=str(run_dir), rounds=1, batch_size=2).loglikelihood(requests)
+    assert [g for _, g in ours] == [g for _, g in theirs]
+    assert [ll for ll, _ in ours] == pytest.approx([ll for ll, _ in theirs], abs=1e-5)
