@@ -83,6 +83,18 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .interop.hf_export import export_hf
+
+    result = export_hf(args.run, args.hf)
+    _emit(result, args.json, str(result["out"]))
+    if not args.json:
+        print(f"exported {args.run} to {result['out']}: {result['parameters']} parameters, rounds {result['rounds']}, "
+              f"exit {result['exit_policy']}; load with AutoModelForCausalLM.from_pretrained(DIR, "
+              f"trust_remote_code=True) (tested with transformers {result['transformers_tested']})", file=sys.stderr)
+    return 0
+
+
 def cmd_data_prepare(args: argparse.Namespace) -> int:
     from .data.prepared import prepare
     from .recipe.config import load_recipe
@@ -467,6 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--context", type=int, help="the run's context (default min(max_position_embeddings, sliding "
                                                 "window, 2048))")
     im.set_defaults(func=cmd_import)
+
+    ex = sub.add_parser("export", help="a run as a Hugging Face folder (AutoModelForCausalLM with trust_remote_code)")
+    ex.add_argument("run")
+    ex.add_argument("--hf", required=True, metavar="DIR", help="the folder to write: config.json, the modeling code, "
+                                                               "model.safetensors, the tokenizer")
+    ex.add_argument("--json", action="store_true")
+    ex.set_defaults(func=cmd_export)
 
     dp = sub.add_parser("data", help="data tools")
     dsub = dp.add_subparsers(dest="data_command", required=True)
