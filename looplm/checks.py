@@ -365,6 +365,8 @@ def check_cache_policies(run: Run) -> CheckResult:
     from .evaluation.cache_policies import continuation_loss, forward_loss
     from .inference.engine import Engine
     name = "cache_policies_measured"
+    if run.model.feedback is not None:
+        return CheckResult.not_applicable(name, FEEDBACK_DECODE)
     if run.recipe.model.mor != "none":
         return CheckResult.not_applicable(name, "a Mixture-of-Recursions model decodes with the cache rule it was "
                                                 f"trained with ({run.recipe.model.mor_cache}); "
@@ -437,6 +439,7 @@ class _MicroBatch(NamedTuple):
     real: int       # inputs that are data (every one for plain text; a task batch's rows before their padding)
     padded: int     # inputs including the padding (B x T of the batch as the model ran it)
     rounds: int     # forward rounds
+    passes: int = 1  # feedback's parallel passes (each runs every round)
 
 
 def _replay_text(run: Run, indices: list[tuple[int, int]]) -> tuple[list[_MicroBatch], int]:
@@ -444,13 +447,15 @@ def _replay_text(run: Run, indices: list[tuple[int, int]]) -> tuple[list[_MicroB
     micro-batch index); depths from the recipe's sampler. Returns (micro-batches, unique tokens)."""
     from .data.text import TokenSampler, open_tokens
     from .train.depth import sample_depth
+    from .train.trainer import feedback_plan
     r, accum = run.recipe, run.recipe.train.grad_accum
     sampler = TokenSampler(open_tokens(run.path / "data" / "train.bin"), r.data.seq_len, r.train.batch_size,
                            r.train.seed)
     batches = []
     for step, micro in indices:
         x, _ = sampler.batch(step * accum + micro)                    # (batch_size, seq_len), no padding
-        batches.append(_MicroBatch(x.numel(), x.numel(), sample_depth(r.depth, r.train.seed, step, micro)))
+        batches.append(_MicroBatch(x.numel(), x.numel(), sample_depth(r.depth, r.train.seed, step, micro),
+                                   feedback_plan(r, x, step, micro, run.tokenizer.eos_id)[0]))
     return batches, sampler.unique_tokens()
 
 
@@ -497,12 +502,20 @@ def check_token_accounting(run: Run) -> CheckResult:
         batches, unique = (_replay_task if run.recipe.data.task else _replay_text)(run, indices)
     except UserError as err:
         return CheckResult(name, False, f"cannot replay the run's training data: {err}", MEASURED)
-    tokens, passes = sum(b.real for b in batches), sum(b.real * b.rounds for b in batches)
+    tokens, passes = sum(b.real for b in batches), sum(b.real * b.rounds * b.passes for b in batches)
     padding = sum(b.padded for b in batches) - tokens
-    padded_passes = sum(b.padded * b.rounds for b in batches)
+    padded_passes = sum(b.padded * b.rounds * b.passes for b in batches)
     depths = {str(k): v for k, v in sorted(Counter(b.rounds for b in batches).items())}
     ok = (r["tokens_seen"] == tokens and r["token_passes"] == passes and r["depth_histogram"] == depths
           and r["unique_tokens"] == unique and unique <= r["train_data_tokens"])
+    fb_note = ""
+    if run.recipe.feedback.mode != "none":    # feedback's passes: each micro-batch's drawn again
+        hist = {str(k): v for k, v in sorted(Counter(b.passes for b in batches).items())}
+        fb_passes = sum(b.real * b.passes for b in batches)
+        rec = r.get("feedback", {})
+        ok = ok and rec.get("passes_histogram") == hist and rec.get("token_passes") == fb_passes
+        fb_note = (f"; feedback passes {hist} ({fb_passes:,} token x passes), report.json "
+                   f"{rec.get('passes_histogram')} ({rec.get('token_passes')})")
     stale = (" (that counts the padding: the report predates the trainer leaving padding out)"
              if padding and r["token_passes"] == padded_passes else "")
     return CheckResult(name, ok,
@@ -510,13 +523,18 @@ def check_token_accounting(run: Run) -> CheckResult:
                        f"{passes:,} token-passes, depths {depths}, {unique:,} unique tokens; "
                        f"report.json: tokens_seen {r['tokens_seen']:,}, token_passes {r['token_passes']:,}{stale}, "
                        f"depth_histogram {r['depth_histogram']}, unique_tokens {r['unique_tokens']:,} "
-                       f"(train_data_tokens {r['train_data_tokens']:,})", MEASURED)
+                       f"(train_data_tokens {r['train_data_tokens']:,}){fb_note}", MEASURED)
+
+
+FEEDBACK_DECODE = "the cached engine does not decode full-bandwidth feedback yet (feedback.mode)"
 
 
 def check_engine_request_reset(run: Run) -> CheckResult:
     """The cached engine keeps no state between requests: a request decoded before and after another
     request (with its own prompt, a different length) gives the same tokens and rounds."""
     from .inference.engine import Engine, SamplingParams
+    if run.model.feedback is not None:
+        return CheckResult.not_applicable("engine_request_reset", FEEDBACK_DECODE)
     engine = Engine.from_run(run)
     ids = _sample_ids(run, 12)[0].tolist()
     a, b = ids[:5], ids[5:12]

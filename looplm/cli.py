@@ -136,6 +136,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     batches = eval_batches_for(run, args.data, batch_size=args.batch_size)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
+    if run.model.feedback is not None:   # the rounds above are the plain pass; feedback's passes at the depth
+        from .evaluation.feedback import loss_by_passes
+        depth = run.recipe.depth.rounds
+        rep = result["feedback_loss_by_passes"] = loss_by_passes(run.model, batches, run.recipe,
+                                                                 run.tokenizer.eos_id, 3, depth)
+        lines.insert(0, f"(feedback.mode = {run.recipe.feedback.mode}: the rounds below are one plain pass)")
+        lines.append(f"feedback at {depth} rounds: " + ", ".join(f"{k} pass{'es' if k != '1' else ''} {v:.4f}"
+                                                               for k, v in rep.items()))
     if run.model.cfg.moe_experts:  # LoopMoE: how tokens use the shared experts across visits
         from .evaluation.routing import routing_report
         rep = result["routing"] = routing_report(run.model, batches, run.recipe.depth.rounds)

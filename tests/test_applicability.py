@@ -38,6 +38,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "model.residual_scaling": [("none", {}), ("deeploop", {})],
     "model.moe_experts": [(0, {}), (4, {})],
     "model.rope_scaling": [("none", {}), ("linear", {}), ("llama3", {})],
+    "feedback.mode": [("none", {}), ("gate", {}), ("add", {}), ("concat", {})],
     "model.mor": [("none", {}), ("token_choice", {"depth.kind": "fixed"}),
                   ("expert_choice", {"depth.kind": "fixed", "depth.rounds": 1, "backward.window": "all"})],
     "optim.schedule": [("cosine", {}), ("wsd", {}), ("constant", {})],
@@ -70,7 +71,7 @@ def candidates(f: dataclasses.Field, tp: Any) -> list[Any]:
     if tp is str:
         return ["elsewhere"]
     if typing.get_origin(tp) is tuple:
-        return [list(d[:1])] if d else [[1]] if typing.get_args(tp)[0] is int else [[1.0]]
+        return [list(d[-1:])] if d else [[1]] if typing.get_args(tp)[0] is int else [[1.0]]
     raise AssertionError(f"no candidate values for type {tp}")
 
 

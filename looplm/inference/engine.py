@@ -123,6 +123,12 @@ class Engine:
         config = config or GenerationConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cfg = model.cfg
+        if getattr(model, "feedback", None) is not None:
+            # serial decoding with the previous position's top state is not wired into the cached chunks yet:
+            # refused rather than decoded as a plain model (which would silently drop what it was trained with)
+            raise UserError(f"this run has full-bandwidth feedback (feedback.mode = {model.feedback.mode}); the "
+                            "cached engine does not decode it yet (generate, serve, lm-eval, cache evaluation); "
+                            "`looplm eval` reports its loss by passes")
         if getattr(model, "mor_router", None) is not None:
             config = self._routed_config(config, model)
             self.config = config

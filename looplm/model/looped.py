@@ -63,6 +63,9 @@ class LoopOutput:
     routed_depth: Tensor | None = None
     """Mixture-of-Recursions: (B, T) the depth the router chose for each token (rounds_used is what ran:
     the same, except under warm-up's full depth or a shorter `rounds`)."""
+    top: Tensor | None = None
+    """(B, T, d) the final round's top state after the final norm (what the head reads), when asked
+    (keep_top): feedback's h for the next pass (model/feedback.py)."""
     routing: dict[int, list[Tensor]] = field(default_factory=dict)
     """LoopMoE: core block index -> the (B*T, k) experts its tokens chose at each of its visits, in order
     (a shared block: one entry per round; an untied block: one)."""
@@ -85,9 +88,9 @@ class LoopedLM(nn.Module):
     """Prelude -> shared core x rounds -> coda -> head. `rounds` is the nominal depth:
     it sets DeepLoop's N and the untied baseline's block count."""
 
-    def __init__(self, cfg: ModelConfig, rounds: int, exit_gate: bool = False):
+    def __init__(self, cfg: ModelConfig, rounds: int, exit_gate: bool = False, feedback: Any = None):
         super().__init__()
-        self.cfg, self.nominal_rounds = cfg, rounds
+        self.cfg, self.nominal_rounds, self.feedback_cfg = cfg, rounds, feedback
         d = cfg.d_model
         alpha, beta = (deeploop_scales(cfg.n_core, rounds, cfg.deeploop_p)
                        if cfg.residual_scaling == "deeploop" else (1.0, 1.0))
@@ -107,6 +110,12 @@ class LoopedLM(nn.Module):
                                if cfg.mor == "expert_choice" and cfg.mor_causal == "aux_router" else None)
         # token choice's loss-free balancing bias; saved with the weights (it is part of the routing)
         self.register_buffer("mor_bias", torch.zeros(rounds) if cfg.mor == "token_choice" else None)
+        # full-bandwidth feedback (model/feedback.py): the previous position's top state fused into the input
+        if feedback is not None and feedback.mode != "none":
+            from .feedback import Feedback
+            self.feedback = Feedback(d, feedback, cfg.norm_eps)
+        else:
+            self.feedback = None
         self.final_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -143,6 +152,10 @@ class LoopedLM(nn.Module):
         if self.gate is not None:
             nn.init.zeros_(self.gate[1].weight)
             nn.init.constant_(self.gate[1].bias, -1.0)  # start with mass spread over rounds
+        if self.feedback is not None and self.feedback.mode == "concat":   # start as the plain embedding
+            with torch.no_grad():
+                self.feedback.proj.weight.zero_()
+                self.feedback.proj.weight[:, :cfg.d_model].copy_(torch.eye(cfg.d_model))
         if self.adapter is not None:  # start as s + e so the loop begins like additive injection
             with torch.no_grad():
                 self.adapter.weight.copy_(torch.cat([torch.eye(cfg.d_model)] * 2, dim=1))
@@ -233,12 +246,17 @@ class LoopedLM(nn.Module):
         return chosen, weight, (decision, chosen, kept)
 
     def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
-                last_only: bool = False) -> Tensor:
+                last_only: bool = False, tops: dict[int, Tensor] | None = None) -> Tensor:
         """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
-        (B, V) at the last position with last_only (a decode step needs no other)."""
+        (B, V) at the last position with last_only (a decode step needs no other). tops: gets
+        round -> the top state after the final norm (feedback's h)."""
         for i, block in enumerate(self.coda):
             s = block(s, rope, cache, ("coda", r, i), ops)
-        return self.head_logits(s[:, -1] if last_only else s, ops)
+        h = s[:, -1] if last_only else s
+        if tops is None:
+            return self.head_logits(h, ops)
+        tops[r] = self.final_norm(h)
+        return ops.linear(tops[r], self.head.weight)
 
     def head_logits(self, h: Tensor, ops: Ops = EAGER) -> Tensor:
         """Final norm and LM head on a hidden state (..., d) -> (..., V): the end of every readout,
@@ -250,22 +268,29 @@ class LoopedLM(nn.Module):
 
     def loop_inputs(self, idx: Tensor, start: int = 0, positions: Tensor | None = None, cache: Any = None,
                     ops: Ops = EAGER, generator: torch.Generator | None = None,
-                    initial_state: Tensor | None = None) -> tuple[Any, Tensor, Tensor]:
+                    initial_state: Tensor | None = None, feedback: tuple[Tensor, Tensor] | None = None
+                    ) -> tuple[Any, Tensor, Tensor]:
         """What the loop starts from, set up in this one place for the training forward, the engine's
         chunks and whole-sequence early exit: (RoPE tables, prelude output e, initial state s0) for
         tokens idx (B, T) at positions start..start+T, or per-row `positions` (B, T); e and s0 (B, T, d).
         initial_state (B, T, d), when given, replaces the recipe's (the engine's per-request noise
-        rows); the prelude writes its entries into `cache`."""
+        rows); feedback (h (B, T, d) already shifted, plain (B, T) bool): the previous positions' top
+        states fused into the bottom input (model/feedback.py); the prelude writes its entries into `cache`."""
         rope = self.rope(start, idx.shape[1], positions)
-        e = self.encode(idx, rope, cache, ops)                                     # (B, T, d)
+        e = self.encode(idx, rope, cache, ops, feedback, generator)                # (B, T, d)
         s0 = (self.initial_state(e, generator, start, positions) if initial_state is None
               else initial_state.to(e.dtype))
         return rope, e, s0
 
-    def encode(self, idx: Tensor, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
+    def encode(self, idx: Tensor, rope, cache: Any = None, ops: Ops = EAGER,
+               feedback: tuple[Tensor, Tensor] | None = None, generator: torch.Generator | None = None) -> Tensor:
         x = self.embed(idx)
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
+        if feedback is not None:
+            if self.feedback is None:
+                raise ValueError("feedback states given to a model without feedback (recipe [feedback] mode none)")
+            x = self.feedback(x, *feedback, generator=generator)
         for i, block in enumerate(self.prelude):
             x = block(x, rope, cache, ("prelude", 0, i), ops)
         return x
@@ -285,11 +310,15 @@ class LoopedLM(nn.Module):
         initial_state: Tensor | None = None,
         collect_stats: bool = False,
         full_depth: bool = False,
+        feedback: tuple[Tensor, Tensor] | None = None,
+        keep_top: bool = False,
     ) -> LoopOutput:
         """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
         initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table).
         A routed loop (model.mor) runs each token to its routed depth (at most `rounds`); full_depth
-        sends every token through every round with weight 1 instead (warm-up)."""
+        sends every token through every round with weight 1 instead (warm-up). feedback: (h, plain), the
+        previous positions' top states fused into the input (model/feedback.py; passes_forward runs the
+        passes); keep_top: return the final round's top state after the final norm (LoopOutput.top)."""
         rounds = self.nominal_rounds if rounds is None else rounds
         if self.cfg.untied and rounds != self.nominal_rounds:
             raise ValueError(f"the untied baseline has blocks for exactly {self.nominal_rounds} rounds, asked {rounds}")
@@ -297,7 +326,7 @@ class LoopedLM(nn.Module):
         if start_pos + T > self.cfg.context:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds the model context {self.cfg.context}")
         rope, e, s0 = self.loop_inputs(idx, start_pos, positions, cache, generator=generator,
-                                       initial_state=initial_state)            # e, s0: (B, T, d)
+                                       initial_state=initial_state, feedback=feedback)   # e, s0: (B, T, d)
 
         wanted = set(readout_rounds or ()) | {rounds}
         step = lambda s, r: self.core_step(s, e, r, rope, cache)    # noqa: E731
@@ -314,8 +343,9 @@ class LoopedLM(nn.Module):
         try:
             # Each readout runs the coda. With a cache every readout attends to the cached coda history
             # (a one-token decode step has no other); the cache keeps the last write, the final round's.
+            tops: dict[int, Tensor] | None = {} if keep_top else None
             run = unroll(step, s0, rounds, backward_window, wanted,
-                         readout=lambda s, r: self.readout(s, rope, cache, r),
+                         readout=lambda s, r: self.readout(s, rope, cache, r, tops=tops),
                          keep_states=self.gate is not None or collect_stats,
                          loss_rounds=readout_rounds or (rounds,))
         finally:
@@ -324,7 +354,7 @@ class LoopedLM(nn.Module):
                 mlp.trace = None
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
                          grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
-                         state=run.state, cache=cache)
+                         state=run.state, cache=cache, top=tops[rounds] if keep_top else None)
         if routed is not None:
             routed.record(out)
         if moe:
@@ -352,7 +382,7 @@ class LoopedLM(nn.Module):
         """Stored parameter counts by role, each tensor counted once."""
         roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
                  "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "gate": [self.gate],
-                 "router": [self.mor_router, self.mor_aux_router],
+                 "router": [self.mor_router, self.mor_aux_router], "feedback": [self.feedback],
                  "state_norm": [self.state_norm], "head": [self.head]}
         seen: set[int] = set()
         counts = {}
@@ -374,13 +404,13 @@ class LoopedLM(nn.Module):
         Per-round pieces (core, adapter, gate, state norm) count once per round; an untied core
         runs each of its blocks once."""
         c = self.param_groups_by_role()
-        per_round = c["adapter"] + c["gate"] + c["state_norm"]
+        per_round = c["adapter"] + c["gate"] + c["state_norm"]   # feedback's fusion: once per position, in "embed"'s place
         if self.cfg.moe_experts:    # a visit applies the k experts a token chose, not all E
             cfg = self.cfg
             idle = len(self.core) * (cfg.moe_experts - cfg.moe_top_k) * 3 * cfg.d_model * cfg.moe_hidden
             c = {**c, "core": c["core"] - idle}
         core = c["core"] if self.cfg.untied else c["core"] * rounds
-        return c["embed"] + c["prelude"] + core + per_round * rounds + c["coda"] + c["head"]
+        return c["embed"] + c["feedback"] + c["prelude"] + core + per_round * rounds + c["coda"] + c["head"]
 
     def flops_per_token(self, rounds: float, seq_len: int, backward_rounds: float | None = None) -> float:
         """Training FLOPs per token of a pass with every round in the backward (or backward_rounds of
@@ -398,7 +428,8 @@ def untied_copy(model: LoopedLM, rounds: int) -> LoopedLM:
     as is. What a looped model is compared against (`looplm check`), and how the gradient each visit
     of a shared block contributes is measured (train/alignment.py): the copies' gradients are the visits'."""
     import dataclasses
-    untied = LoopedLM(dataclasses.replace(model.cfg, untied=True), rounds=rounds, exit_gate=model.gate is not None)
+    untied = LoopedLM(dataclasses.replace(model.cfg, untied=True), rounds=rounds, exit_gate=model.gate is not None,
+                      feedback=model.feedback_cfg)
     state, K = model.state_dict(), model.cfg.n_core
     untied.load_state_dict({key: state[f"core.{int(key.split('.')[1]) % K}.{key.split('.', 2)[2]}"]
                             if key.startswith("core.") else state[key] for key in untied.state_dict()})
@@ -407,4 +438,4 @@ def untied_copy(model: LoopedLM, rounds: int) -> LoopedLM:
 
 def build_model(recipe: Any) -> LoopedLM:
     """The model a recipe describes (the API's `looplm.build_model`)."""
-    return LoopedLM(recipe.model, rounds=recipe.depth.rounds, exit_gate=recipe.exit.gate)
+    return LoopedLM(recipe.model, rounds=recipe.depth.rounds, exit_gate=recipe.exit.gate, feedback=recipe.feedback)

@@ -449,6 +449,52 @@ class OptimConfig:
         _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
 
 
+FEEDBACK = unless("feedback.mode", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedbackConfig:
+    mode: Literal["none", "gate", "add", "concat"] = "none"
+    """Full-bandwidth feedback (model/feedback.py): the previous position's top state h (after the final norm)
+    fused with the token's embedding e into the model's bottom input, before the prelude. gate (the
+    Full-Bandwidth Transformer's): (W_u h) * sigmoid(W_g e), 2*d^2 weights; add: e + W_u h, d^2; concat:
+    W_c [e; h], 2*d^2. Three different mechanisms, not settings of one. none: no feedback."""
+    norm: bool = applies(FEEDBACK, default=False)
+    """RMSNorm around the fusion: on h before it enters, and on the fused vector."""
+    jitter: float = applies(FEEDBACK, default=0.0)
+    """Std of uniform noise added to the fused input in training (0.02 in the Full-Bandwidth Transformer);
+    0 = none. Never at evaluation or inference."""
+    reset_at_eos: bool = applies(FEEDBACK, default=True)
+    """The start convention: a window's first position always reads its plain embedding (there is no previous
+    state); with this, so does the token after an end-of-text token (a document never reads the last one's)."""
+    passes: tuple[float, ...] = applies(FEEDBACK, default=(0.0, 1.0))
+    """Training's pass-count mixture: passes[k - 1] is the share of micro-batches trained with k parallel passes
+    (pass 1 from the embeddings, pass k from pass k - 1's top states shifted by one position, gradients kept
+    through the earlier passes), drawn per micro-batch from (seed, step). (0.75, 0.22, 0.03): 1.28 passes on
+    average. Default: always two."""
+    later_weight: float = applies(FEEDBACK, default=1.0)
+    """lambda: loss = first pass's loss + lambda * the mean of the later passes' losses."""
+    mix_from_step: int = applies(FEEDBACK, default=0)
+    """Steps before this train with one plain pass (no feedback): plain pre-training first."""
+    prefix_mix: float = applies(FEEDBACK, default=0.0)
+    """Share of micro-batches with a plain prefix of random length: fusion on the suffix only (a prompt read
+    plainly, then feedback, as the soft prompt mode decodes)."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.passes) >= 1 and all(p >= 0 and math.isfinite(p) for p in self.passes)
+               and abs(sum(self.passes) - 1) < 1e-6, "feedback.passes",
+               "must be shares of 1, 2, 3, ... passes: non-negative, summing to 1")
+        _check(self.jitter >= 0 and math.isfinite(self.jitter), "feedback.jitter", "must be finite and >= 0")
+        _check(self.later_weight >= 0 and math.isfinite(self.later_weight), "feedback.later_weight",
+               "must be finite and >= 0")
+        _check(self.mix_from_step >= 0, "feedback.mix_from_step", "must be >= 0")
+        _check(0 <= self.prefix_mix <= 1, "feedback.prefix_mix", "must lie in [0, 1]")
+
+    @property
+    def mean_passes(self) -> float:
+        return sum((k + 1) * p for k, p in enumerate(self.passes))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 200
@@ -525,6 +571,7 @@ class Recipe:
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -570,6 +617,11 @@ class Recipe:
             # the last round's exit is forced, so at one round no hazard reaches a loss
             _check(max_r >= 2, "exit.gate", "is trained only through the hazards of rounds before the last: "
                    f"learned_exit and stage II need a largest forward depth >= 2 (it is {max_r})")
+        if self.feedback.mode != "none":     # what feedback's training does not cover yet: refused, not ignored
+            _check(self.train.parallel == "none", "feedback.mode",
+                   "trains its passes in one process for now (several forwards before one backward): train.parallel = none")
+            _check(self.train.stage == 1, "feedback.mode", "has no stage II: train.stage = 1")
+            _check(not self.train.alignment_every, "train.alignment_every", "measures one pass; not with feedback")
         if self.data.depth_by_difficulty:
             _check(self.depth.kind != "lognormal_poisson", "data.depth_by_difficulty",
                    'draws each micro-batch\'s rounds uniformly (or runs depth.rounds): needs depth.kind = "fixed" '

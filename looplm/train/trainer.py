@@ -95,6 +95,10 @@ class Counters:
     """Index into PLACEMENT_KINDS -> micro-batches that used that loss placement."""
     gate_grad_steps: int = 0
     """Optimizer steps in which some exit-gate parameter received a nonzero gradient."""
+    pass_histogram: Counter = field(default_factory=Counter)
+    """Feedback: parallel passes -> micro-batches trained with that many (empty without feedback)."""
+    feedback_token_passes: int = 0
+    """Feedback: real tokens x passes, summed (each pass reads every token once more)."""
     last_visits: Visits | None = None
     """The block visits of the last micro-batch, as counted into train_flops (not saved)."""
 
@@ -110,7 +114,9 @@ class Counters:
                 "supervised_weights": torch.tensor(sorted(self.supervised_weights.items()),
                                                    dtype=torch.float64).reshape(-1, 2),
                 "placement_kinds": hist(self.placement_kinds),
-                "gate_grad_steps": torch.tensor(self.gate_grad_steps, dtype=torch.long)}
+                "gate_grad_steps": torch.tensor(self.gate_grad_steps, dtype=torch.long),
+                "pass_histogram": hist(self.pass_histogram),
+                "feedback_token_passes": torch.tensor(self.feedback_token_passes, dtype=torch.long)}
 
     @classmethod
     def from_state(cls, s: dict[str, torch.Tensor]) -> "Counters":
@@ -126,6 +132,9 @@ class Counters:
             out.supervised_weights = Counter({int(k): v for k, v in s["supervised_weights"].tolist()})
             out.placement_kinds = hist(s["placement_kinds"])
             out.gate_grad_steps = int(s["gate_grad_steps"])
+        if "pass_histogram" in s:       # absent from checkpoints written before feedback existed
+            out.pass_histogram = hist(s["pass_histogram"])
+            out.feedback_token_passes = int(s["feedback_token_passes"])
         return out
 
 
@@ -160,7 +169,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
                counters: Counters, collect_stats: bool = False, mask: torch.Tensor | None = None,
                rounds: int | None = None, supervision=None, round_targets=None, forward=None, scaler=None,
                world: World = SINGLE, rows: slice | None = None, check_lockstep: bool = False,
-               valid: torch.Tensor | None = None):
+               valid: torch.Tensor | None = None, eos_id: int | None = None):
     """Forward + backward for one micro-batch; returns (loss value, forward output, loss info).
     rounds / supervision, when given (task data by difficulty), replace the recipe's draws;
     round_targets(r) -> (targets, mask) gives each supervised round its own targets (task traces).
@@ -171,7 +180,10 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     processes (train.lockstep_check). Tensors are moved to the model's device here. The returned loss is this process's
     share of the global mean (sum over processes = the global mean). valid: (B, T) True at real inputs,
     False at padding (task batches, TaskBatch.real_inputs); None: every input is real. Only real
-    inputs count as tokens seen and token-passes (the model runs the padding, but it is no data)."""
+    inputs count as tokens seen and token-passes (the model runs the padding, but it is no data).
+    eos_id: the tokenizer's end-of-text id (feedback's start convention after a document boundary).
+    With feedback (recipe [feedback]) the micro-batch trains with the passes its mixture draws
+    (`feedback_plan`): loss = first pass's + later_weight x the mean of the later passes'."""
     device = model.embed.weight.device
     x, y = x.to(device), y.to(device)
     mask = mask.to(device) if mask is not None else None
@@ -196,16 +208,33 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     warmup = recipe.model.mor != "none" and step < recipe.train.mor_warmup_steps
     if recipe.model.mor != "none":   # Mixture-of-Recursions warm-up: every token at full depth (capacity 1)
         noise = {**noise, "full_depth": warmup}
+    n_passes, plain = feedback_plan(recipe, x, step, micro, eos_id, rows)
+    run = model if forward is None else forward
     with autocast(device, recipe.train.dtype):
-        out = (model if forward is None else forward)(x, rounds, backward_window=window, readout_rounds=place.rounds,
-                                                      collect_stats=collect_stats, **noise)
+        kwargs = dict(backward_window=window, readout_rounds=place.rounds, collect_stats=collect_stats, **noise)
+        if n_passes == 1:
+            outs = [run(x, rounds, **kwargs)]
+        else:
+            from ..model.feedback import passes_forward
+            outs = passes_forward(model, x, n_passes, plain, run=run, rounds=rounds, **kwargs)
+        out = outs[0]
         if recipe.train.stage == 2:
             loss, info = stage2_loss(model, recipe, out, y, mask)
         else:
-            loss, info = supervised_loss(supervision, out, y, mask, round_targets)
-            if out.aux_losses:             # routed models' auxiliary losses, each by its recipe weight
-                weights = aux_loss_weights(recipe)
-                loss = loss + sum(weights[k] * v for k, v in out.aux_losses.items())
+            pass_losses = []
+            for o in outs:
+                pass_loss, pass_info = supervised_loss(supervision, o, y, mask, round_targets)
+                if o.aux_losses:           # routed models' auxiliary losses, each by its recipe weight
+                    weights = aux_loss_weights(recipe)
+                    pass_loss = pass_loss + sum(weights[k] * v for k, v in o.aux_losses.items())
+                pass_losses.append(pass_loss)
+                info = pass_info if o is out else info
+            loss = pass_losses[0]
+            if n_passes > 1:           # first pass + lambda x mean of the later passes (model/feedback.py)
+                later = torch.stack(pass_losses[1:]).mean()
+                loss = loss + recipe.feedback.later_weight * later
+                info = {**info, "feedback_passes": n_passes, "loss_by_pass": [v.item() for v in pass_losses]}
+            if out.aux_losses:
                 info = {**info, **{k: v.item() for k, v in out.aux_losses.items()}}
             if out.routed_depth is not None:
                 info["mor_mean_depth"] = out.routed_depth.float().mean().item()
@@ -235,7 +264,10 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     counters.fallback_steps += int(place.fallback)
     real = x.numel() if valid is None else int(valid.sum())
     counters.tokens_seen += real
-    counters.token_passes += real * rounds
+    counters.token_passes += real * rounds * n_passes      # every pass runs every round
+    if recipe.feedback.mode != "none":
+        counters.pass_histogram[n_passes] += 1
+        counters.feedback_token_passes += real * n_passes
     # every visit that ran: the rounds, the backward over the window, each supervised readout (coda and
     # head, backward where it carries a loss), the prelude's backward where the gradient reaches it
     stage1 = recipe.train.stage == 1
@@ -243,9 +275,30 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
                     grad_readouts=len(place.rounds) if stage1 else 0,
                     prelude_grad=stage1 and prelude_receives_gradient(model.cfg, out.grad_rounds),
                     gate_grad=model.gate is not None and (not stage1 or supervision.kind == "learned_exit"))
-    counters.train_flops += x.numel() * train_flops_per_token(model.cfg, visits, x.shape[1], model.gate is not None)
+    # each pass is a whole forward and backward (the later passes' gradients reach the earlier ones)
+    counters.train_flops += n_passes * x.numel() * train_flops_per_token(model.cfg, visits, x.shape[1],
+                                                                         model.gate is not None)
     counters.last_visits = visits
     return loss.item() / world.size, out, info
+
+
+def feedback_plan(recipe: Recipe, x: torch.Tensor, step: int, micro: int, eos_id: int | None,
+                  rows: slice | None = None) -> tuple[int, torch.Tensor | None]:
+    """(passes, plain positions (B, T) or None) of one micro-batch: one plain pass without feedback or
+    before feedback.mix_from_step; else the pass count drawn from feedback.passes and, with probability
+    feedback.prefix_mix, a plain prefix of random length per row — all from (seed, step, micro), so
+    every process draws the same (lockstep) and a resumed run the same as an unbroken one."""
+    fb = recipe.feedback
+    if fb.mode == "none" or step < fb.mix_from_step:
+        return 1, None
+    from ..model.feedback import plain_positions
+    gen = depth_generator(recipe.train.seed + 3, step, micro)
+    passes = int(torch.multinomial(torch.tensor(fb.passes, dtype=torch.float64), 1, generator=gen)) + 1
+    prefix = None
+    if fb.prefix_mix and float(torch.rand((), generator=gen)) < fb.prefix_mix:
+        prefix = torch.randint(1, x.shape[1], (recipe.train.batch_size,), generator=gen)   # the global batch's
+        prefix = prefix[rows] if rows is not None else prefix[:x.shape[0]]
+    return passes, plain_positions(x, eos_id, fb.reset_at_eos, prefix)
 
 
 def aux_loss_weights(recipe: Recipe) -> dict[str, float]:
@@ -404,6 +457,7 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
             with no_sync(runner, parallel, last=micro == accum - 1):
                 loss, out, info = train_step(model, recipe, x, y, step, micro, counters, collect_stats=log_now,
                                              forward=forward, scaler=scaler, world=world, rows=rows,
+                                             eos_id=getattr(tok, "eos_id", None),
                                              check_lockstep=recipe.train.lockstep_check == "every"
                                              or (step == start and micro == 0),
                                              **(task_opts[0] if task_opts else {}))
@@ -484,7 +538,7 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
 
     from ..runs.report import write_report
     plain = model if parallel != "fsdp" else _plain_copy(recipe, run_dir, device)
-    report = build_report(recipe, plain, sampler, counters, val_tokens, run_dir)
+    report = build_report(recipe, plain, sampler, counters, val_tokens, run_dir, getattr(tok, "eos_id", None))
     report.update(origin)
     report["device"] = str(device)
     report["precision"] = recipe.train.dtype
@@ -618,7 +672,8 @@ def placement_record(counters: Counters) -> dict[str, Any]:
             "weights": [counters.supervised_weights[r] / micro for r in rounds]}
 
 
-def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, val_tokens, run_dir: Path) -> dict:
+def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, val_tokens, run_dir: Path,
+                 eos_id: int | None = None) -> dict:
     mean_depth = (sum(k * v for k, v in counters.depth_histogram.items()) / max(1, sum(counters.depth_histogram.values())))
     rounds_list = eval_rounds_list(recipe, mean_depth)
     model.eval()
@@ -648,6 +703,17 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
                              "markdown": recursions_markdown(extra["recursions"])})
         if sections:
             extra["sections"] = sections
+        if model.feedback is not None:   # what feedback does to held-out loss: one, two, three passes
+            from ..evaluation.feedback import loss_by_passes
+            extra["feedback_val_loss_by_passes"] = loss_by_passes(model, batches, recipe, eos_id,
+                                                                  max(3, len(recipe.feedback.passes)))
+    if model.feedback is not None:
+        n = sum(counters.pass_histogram.values())
+        extra["feedback"] = {
+            "mode": recipe.feedback.mode, "extra_parameters": model.param_groups_by_role()["feedback"],
+            "passes_histogram": {str(k): v for k, v in sorted(counters.pass_histogram.items())},
+            "mean_passes": sum(k * v for k, v in counters.pass_histogram.items()) / max(1, n),
+            "token_passes": counters.feedback_token_passes}
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     return {
         "recipe": recipe.to_dict(),

@@ -1,0 +1,227 @@
+"""Full-bandwidth feedback (model/feedback.py) against independent computations: serial decoding written
+out position by position, shift by one, the start convention, causality across passes, the seeds'
+weight count, the jitter's distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import looplm
+from looplm.model.feedback import Feedback, passes_forward, plain_positions, shift_states
+from looplm.recipe.config import FeedbackConfig
+
+EOS = 256
+
+
+def tiny(mode: str = "gate", **fields):
+    recipe = looplm.load_recipe("quickstart", {
+        "model.d_model": 32, "model.n_heads": 2, "model.context": 32, "model.n_prelude": 1, "model.n_core": 1,
+        "model.n_coda": 1, "depth.kind": "fixed", "depth.rounds": 2, "backward.window": "all",
+        "exit.min_rounds": 1, "data.seq_len": 32, "feedback.mode": mode,
+        **{f"feedback.{k}": v for k, v in fields.items()}})
+    torch.manual_seed(0)
+    model = looplm.build_model(recipe).eval()
+    with torch.no_grad():               # a fusion far from its initialisation, so every path matters
+        for p in model.feedback.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def ids(B=2, T=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (B, T), generator=g)
+    x[1, 5] = EOS                       # a document boundary in row 1
+    return x
+
+
+def serial(model, idx, plain):
+    """Serial decoding written out: position t's input fuses position t-1's final top state, which
+    was computed with its own fused input (each prefix run whole; causal, so its last position is final)."""
+    B, T = idx.shape
+    H = torch.zeros(B, T, model.cfg.d_model)
+    logits = []
+    for t in range(T):
+        h_prev = torch.zeros(B, t + 1, model.cfg.d_model)
+        h_prev[:, 1:] = H[:, :t]
+        out = model(idx[:, :t + 1], feedback=(h_prev, plain[:, :t + 1]), keep_top=True)
+        H[:, t] = out.top[:, t]
+        logits.append(out.logits[:, t])
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("mode", ["gate", "add", "concat"])
+def test_passes_equal_serial_decoding_once_k_reaches_the_length(mode):
+    model = tiny(mode)
+    idx = ids()
+    plain = plain_positions(idx, EOS, True)
+    with torch.no_grad():
+        want = serial(model, idx, plain)
+        T = idx.shape[1]
+        full = passes_forward(model, idx, T, plain)[-1].logits
+        assert (full - want).abs().max().item() < 1e-5
+        # with K passes only the first K positions are serial's; later ones differ (the test can fail)
+        three = passes_forward(model, idx, 3, plain)[-1].logits
+        assert (three[:, :3] - want[:, :3]).abs().max().item() < 1e-5
+        assert (three[:, 6:] - want[:, 6:]).abs().max().item() > 1e-3
+
+
+def test_shift_by_one_against_a_hand_loop():
+    """Pass 2 reads pass 1's top state of the position before, not its own or a later one's."""
+    model = tiny()
+    idx = ids()
+    plain = plain_positions(idx, EOS, True)
+    with torch.no_grad():
+        first, second = passes_forward(model, idx, 2, plain)
+        h = torch.zeros_like(first.top)
+        for t in range(1, idx.shape[1]):                     # written out: position t reads t - 1
+            h[:, t] = first.top[:, t - 1]
+        assert torch.equal(shift_states(first.top), h)
+        assert (model(idx, feedback=(h, plain)).logits - second.logits).abs().max().item() < 1e-6
+        own = model(idx, feedback=(first.top, plain)).logits  # no shift: token t's own state (the cross-token bug)
+        assert (own - second.logits).abs().max().item() > 1e-3
+
+
+def test_start_convention_plain_positions_read_the_embedding():
+    idx = ids()
+    plain = plain_positions(idx, EOS, True)
+    assert plain[:, 0].all() and plain[1, 6] and not plain[1, 5] and not plain[0, 6]
+    assert not plain_positions(idx, EOS, False)[1, 6]
+    prefixed = plain_positions(idx, EOS, True, prefix=torch.tensor([4, 0]))
+    assert prefixed[0, :4].all() and not prefixed[0, 4] and not prefixed[1, 1]
+    model = tiny()
+    with torch.no_grad():
+        e = model.embed(idx)
+        h = torch.randn(*idx.shape, model.cfg.d_model)
+        x = model.feedback(e, h, plain)
+        assert torch.equal(x[plain], e[plain]) and not torch.allclose(x[~plain], e[~plain])
+        # what a plain position reads does not depend on the state offered to it
+        h2 = h.clone()
+        h2[plain] = torch.randn_like(h2[plain])
+        assert torch.equal(model.feedback(e, h2, plain), x)
+
+
+def test_no_future_token_reaches_an_earlier_position_through_the_passes():
+    model = tiny()
+    idx = ids()
+    changed = idx.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % 256
+    with torch.no_grad():
+        a = passes_forward(model, idx, 3, plain_positions(idx, EOS, True))
+        b = passes_forward(model, changed, 3, plain_positions(changed, EOS, True))
+        for x, y in zip(a, b):
+            assert torch.equal(x.logits[:, :8], y.logits[:, :8])
+            assert not torch.equal(x.logits[:, 8:], y.logits[:, 8:])
+
+
+@pytest.mark.parametrize("mode, weights", [("gate", 2), ("add", 1), ("concat", 2)])
+def test_extra_weights_are_the_seeds_count(mode, weights):
+    fb = Feedback(1536, FeedbackConfig(mode=mode), 1e-5)
+    assert sum(p.numel() for p in fb.parameters()) == weights * 1536 ** 2       # gate: 4,718,592 at d = 1536
+    model = tiny(mode)
+    assert model.param_groups_by_role()["feedback"] == weights * 32 ** 2
+
+
+def test_jitter_is_uniform_with_the_asked_std_in_training_only():
+    model = tiny(jitter=0.02)
+    idx = ids(B=8, T=32)
+    plain = torch.zeros_like(idx, dtype=torch.bool)
+    with torch.no_grad():
+        e = model.embed(idx)
+        h = torch.randn(*idx.shape, model.cfg.d_model)
+        clean = model.feedback(e, h, plain)
+        model.train()
+        noise = (model.feedback(e, h, plain, generator=torch.Generator().manual_seed(1)) - clean).flatten()
+        model.eval()
+    assert torch.equal(model.feedback(e, h, plain), clean)
+    bound = 0.02 * math.sqrt(3)
+    assert noise.abs().max().item() <= bound + 1e-6
+    # uniform on [-a, a]: std a / sqrt(3) = 0.02, and a quarter of the mass in each quarter of the range
+    n = noise.numel()
+    assert abs(noise.std().item() - 0.02) < 4 * 0.02 / math.sqrt(2 * n) * 3
+    quarters = torch.histc(noise, bins=4, min=-bound, max=bound) / n
+    assert (quarters - 0.25).abs().max().item() < 4 * math.sqrt(0.25 * 0.75 / n)
+
+
+def test_feedback_fields_need_a_mode():
+    with pytest.raises(looplm.UserError, match="feedback.jitter"):
+        looplm.load_recipe("quickstart", {"feedback.jitter": 0.02})
+    with pytest.raises(looplm.UserError, match="feedback.passes"):
+        looplm.load_recipe("quickstart", {"feedback.mode": "gate", "feedback.passes": [0.5, 0.2]})
+
+
+def test_k_pass_training_loss_is_the_first_plus_lambda_times_the_mean_of_the_later(monkeypatch):
+    """One training step's loss against a hand computation from the passes' own logits."""
+    import torch.nn.functional as F
+
+    from looplm.train.trainer import Counters, train_step
+    recipe = looplm.load_recipe("quickstart", {
+        "model.d_model": 32, "model.n_heads": 2, "model.context": 32, "model.n_prelude": 1, "model.n_core": 1,
+        "model.n_coda": 1, "depth.kind": "fixed", "depth.rounds": 2, "backward.window": "all", "exit.min_rounds": 1,
+        "model.init_state": "prelude", "data.seq_len": 16, "train.batch_size": 2, "feedback.mode": "gate",
+        "feedback.passes": [0, 0, 1],
+        "feedback.later_weight": 0.5})
+    torch.manual_seed(0)
+    model = looplm.build_model(recipe)
+    x = ids(2, 16)
+    y = torch.roll(x, -1, 1)
+    counters = Counters()
+    loss, out, info = train_step(model, recipe, x, y, 0, 0, counters, eos_id=EOS)
+    model.eval()
+    with torch.no_grad():
+        outs = passes_forward(model, x, 3, plain_positions(x, EOS, True), rounds=2)
+        ce = [F.cross_entropy(o.logits.flatten(0, 1), y.flatten()).item() for o in outs]
+    assert info["loss_by_pass"] == pytest.approx(ce, abs=1e-5)
+    assert loss == pytest.approx(ce[0] + 0.5 * (ce[1] + ce[2]) / 2, abs=1e-5)
+    # every pass is counted: tokens once, token x rounds x passes, the pass histogram
+    assert counters.tokens_seen == 32 and counters.token_passes == 32 * 2 * 3
+    assert counters.pass_histogram == {3: 1} and counters.feedback_token_passes == 32 * 3
+    # the gradient reaches the fusion's weights (through the later passes) and the embedding
+    assert model.feedback.up.weight.grad.abs().sum() > 0 and model.feedback.gate.weight.grad.abs().sum() > 0
+
+
+def test_pass_mixture_is_drawn_per_micro_batch_from_seed_and_step():
+    from looplm.train.trainer import feedback_plan
+    recipe = looplm.load_recipe("quickstart", {"feedback.mode": "gate", "feedback.passes": [0.75, 0.22, 0.03],
+                                               "feedback.mix_from_step": 5, "feedback.prefix_mix": 0.5})
+    x = ids(16, 64)
+    assert feedback_plan(recipe, x, 4, 0, EOS) == (1, None)                      # plain pre-training first
+    draws = [feedback_plan(recipe, x, step, 0, EOS)[0] for step in range(5, 2005)]
+    assert draws == [feedback_plan(recipe, x, step, 0, EOS)[0] for step in range(5, 2005)]   # reproducible
+    share = [draws.count(k) / len(draws) for k in (1, 2, 3)]
+    assert share == pytest.approx([0.75, 0.22, 0.03], abs=0.035)
+    plains = [feedback_plan(recipe, x, step, 0, EOS)[1] for step in range(5, 205)]
+    prefixed = sum(bool(p[:, 1].any()) for p in plains) / len(plains)          # a plain prefix longer than 1
+    assert 0.35 < prefixed < 0.65
+
+
+def test_a_feedback_run_trains_reports_its_passes_and_is_refused_where_not_decoded(tmp_path, text_dir, capsys,
+                                                                                    monkeypatch):
+    """End to end: the pass mixture trains; the report's pass record equals a replay of the draws
+    (looplm check); eval reports loss by passes; the cached engine refuses the run in one line rather
+    than decoding it as a plain model; export refuses it by name."""
+    import json
+
+    import looplm.runs.report
+    from conftest import tiny_recipe
+    from looplm.checks import check_token_accounting
+    from looplm.cli import main
+    from looplm.train.trainer import train
+    monkeypatch.setattr(looplm.runs.report, "write_plots", lambda run_dir, report: [])   # seconds of matplotlib
+    recipe = tiny_recipe(**{"data.path": str(text_dir), "train.steps": 8, "feedback.mode": "gate",
+                            "feedback.passes": [0.5, 0.3, 0.2], "feedback.mix_from_step": 2})
+    report = train(recipe, tmp_path / "run", quiet=True)
+    fb = report["feedback"]
+    assert fb["extra_parameters"] == 2 * recipe.model.d_model ** 2
+    assert sum(fb["passes_histogram"].values()) == 8 and fb["passes_histogram"].get("1", 0) >= 2
+    assert set(report["feedback_val_loss_by_passes"]) == {"1", "2", "3"}
+    run = looplm.load_run(tmp_path / "run")
+    assert check_token_accounting(run).passed
+    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]) == {"1", "2", "3"}
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "def "]) == 2
+    assert "does not decode it yet" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 2
+    assert "feedback.mode" in capsys.readouterr().err
