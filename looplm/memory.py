@@ -82,10 +82,10 @@ def reset_rss_peak() -> int | None:
             f.write("5")
     except OSError:
         return None
+    _marks.append(before)   # the write may have erased it even where the reset is not trusted below
     now = _status()
     if now.get("VmHWM", before) - now.get("VmRSS", 0) > RESET_SLACK:
         return None
-    _marks.append(before)
     return len(_marks)
 
 

@@ -34,7 +34,9 @@ def test_a_small_run_after_a_large_one_reports_its_own_peak(tmp_path, text_dir, 
     # the process's peak is the large run's; the small run's own lies well below it
     assert small["peak_rss_bytes"] < large["peak_rss_bytes"] - 80 * MiB
     assert small["rss_growth_bytes"] < large["rss_growth_bytes"] / 4
-    assert process_peak_rss_bytes() >= large["peak_rss_bytes"]
+    # the kernel syncs each thread's RSS counter into the process's lazily (up to ~64 pages per thread),
+    # so two reads of the high-water mark may differ by tens of KiB
+    assert process_peak_rss_bytes() >= large["peak_rss_bytes"] - MiB
     saved = json.loads((tmp_path / "small" / "report.json").read_text())
     assert saved["peak_rss_bytes"] == small["peak_rss_bytes"] and saved["peak_rss_scope"] == "run"
     assert "this run's own" in (tmp_path / "small" / "report.md").read_text()
