@@ -277,12 +277,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculative=args.speculative, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), stop=args.stop,
-        logprobs=args.logprobs)
+        logprobs=args.logprobs, prompt_mode=args.prompt_mode)
     if args.no_cache:  # the slow reference: recompute the whole sequence for every token (inference/reference.py)
         from .inference.reference import generate_text
         defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
                         top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                        logit_bias={}, stop=[], logprobs=None)
+                        logit_bias={}, stop=[], logprobs=None, prompt_mode=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
             from .halting.hazards import parse_exit_policy
@@ -292,6 +292,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError(f"--no-cache is the plain reference (greedy or temperature, fixed depth); "
                             f"it takes none of: {', '.join(_flag(k) for k in given)}")
         run = load_run(args.run, device=args.device)
+        if run.model.feedback is not None:
+            raise UserError("--no-cache: the plain reference has no full-bandwidth feedback; decode this feedback "
+                            "run through the cached engine (--prompt-mode standard|soft|fused)")
         result = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                seed=args.seed, rounds=rounds)
     else:
@@ -556,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="report each token's log-probability and the N likeliest tokens' (with --json)")
+    g.add_argument("--prompt-mode", choices=("standard", "soft", "fused"),
+                   help="a feedback model's prompt mode: standard (no feedback), soft (default: feedback from the "
+                        "prompt's end on) or fused (an extra prefill pass with feedback)")
     _device_arg(g)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)

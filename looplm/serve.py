@@ -154,6 +154,9 @@ class CompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
+    prompt_mode: str | None = None
+    """A feedback model's prompt mode for this request: standard, soft or fused (None: soft for a feedback
+    model, standard otherwise); refused where the model has no feedback."""
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -534,9 +537,10 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                                      top_p=req.top_p, top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                      logit_bias=bias, stop=() if req.stop is None else req.stop, seed=seed + j,
-                                     logprobs=req.logprobs,
+                                     logprobs=req.logprobs, prompt_mode=req.prompt_mode,
                                      prompt_logprobs=req.logprobs if req.echo else None)
                       for j in range(req.n)]                 # choice j of a prompt samples with seed + j
+            engine.prompt_mode(params[0])                    # a prompt mode this model has
         except UserError as err:
             field = str(err).split(" ")[0].rstrip(":")
             return _error(400, str(err), field)

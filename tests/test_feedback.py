@@ -33,7 +33,7 @@ def tiny(mode: str = "gate", **fields):
 def ids(B=2, T=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 256, (B, T), generator=g)
-    x[1, 5] = EOS                       # a document boundary in row 1
+    x[-1, 5] = EOS                      # a document boundary in the last row
     return x
 
 
@@ -87,7 +87,7 @@ def test_shift_by_one_against_a_hand_loop():
 def test_start_convention_plain_positions_read_the_embedding():
     idx = ids()
     plain = plain_positions(idx, EOS, True)
-    assert plain[:, 0].all() and plain[1, 6] and not plain[1, 5] and not plain[0, 6]
+    assert plain[:, 0].all() and plain[1, 6] and not plain[1, 5] and not plain[0, 6]   # row 1 holds the eos
     assert not plain_positions(idx, EOS, False)[1, 6]
     prefixed = plain_positions(idx, EOS, True, prefix=torch.tensor([4, 0]))
     assert prefixed[0, :4].all() and not prefixed[0, 4] and not prefixed[1, 1]
@@ -197,11 +197,11 @@ def test_pass_mixture_is_drawn_per_micro_batch_from_seed_and_step():
     assert 0.35 < prefixed < 0.65
 
 
-def test_a_feedback_run_trains_reports_its_passes_and_is_refused_where_not_decoded(tmp_path, text_dir, capsys,
+def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_mode(tmp_path, text_dir, capsys,
                                                                                     monkeypatch):
     """End to end: the pass mixture trains; the report's pass record equals a replay of the draws
-    (looplm check); eval reports loss by passes; the cached engine refuses the run in one line rather
-    than decoding it as a plain model; export refuses it by name."""
+    (looplm check); eval reports loss by passes; generate decodes in all three prompt modes, the plain
+    --no-cache reference refuses it; export refuses it by name."""
     import json
 
     import looplm.runs.report
@@ -221,7 +221,99 @@ def test_a_feedback_run_trains_reports_its_passes_and_is_refused_where_not_decod
     assert check_token_accounting(run).passed
     assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]) == {"1", "2", "3"}
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "def "]) == 2
-    assert "does not decode it yet" in capsys.readouterr().err
+    for mode in ("standard", "soft", "fused"):
+        assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "6",
+                     "--prompt-mode", mode, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["prompt_mode"] == mode
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "6", "--no-cache"]) == 2
+    assert "no full-bandwidth feedback" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 2
     assert "feedback.mode" in capsys.readouterr().err
+
+
+def feedback_reference(model, full: torch.Tensor, P: int, mode: str):
+    """Serial decoding with feedback written out with whole forwards: (T - P + 1, V) logits at positions
+    P-1 .. T-1 of `full` (1, T), the prompt its first P tokens read by `mode`."""
+    T, d = full.shape[1], model.cfg.d_model
+    plain = plain_positions(full, EOS, True)
+    if mode == "standard":
+        plain[:] = True
+    elif mode == "soft":
+        plain[:, :P] = True
+    h = torch.zeros(1, T, d)
+    if mode == "fused":                        # the prompt's extra pass reads pass 1's shifted top states
+        h[:, 1:P] = model(full[:, :P], keep_top=True).top[:, :P - 1]
+    rows = []
+    for t in range(P - 1, T):
+        out = model(full[:, :t + 1], feedback=(h[:, :t + 1], plain[:, :t + 1]), keep_top=True)
+        rows.append(out.logits[0, t])
+        if t + 1 < T:
+            h[:, t + 1] = out.top[:, t]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("mode", ["standard", "soft", "fused"])
+def test_engine_decodes_each_prompt_mode_as_serial_feedback_written_out(mode):
+    from looplm.inference import Engine, SamplingParams
+    model = tiny()
+    prompt = ids(1, 9)[0].tolist()
+    eng = Engine(model, None)
+    sp = SamplingParams(max_new_tokens=8, stop_at_eos=False, logprobs=0, prompt_mode=mode)
+    got = eng.generate([prompt], sp)[0]
+    full = torch.tensor([prompt + got.tokens[:-1]])
+    with torch.no_grad():
+        ref = feedback_reference(model, full, len(prompt), mode)
+    assert got.tokens == ref.argmax(-1).tolist()
+    lp = torch.log_softmax(ref.float(), -1)[torch.arange(len(got.tokens)), got.tokens]
+    assert got.logprobs == pytest.approx(lp.tolist(), abs=1e-3)     # the packed kernels' rounding, carried on
+
+
+def test_rows_of_different_prompt_modes_in_one_batch_each_equal_the_engine_alone():
+    from looplm.inference import Engine, SamplingParams
+    model = tiny()
+    eng = Engine(model, None)
+    prompts = [ids(1, 11, seed=1)[0].tolist(), ids(1, 7, seed=2)[0].tolist(), ids(1, 9, seed=3)[0].tolist()]
+    params = [SamplingParams(max_new_tokens=6, stop_at_eos=False, prompt_mode=m) for m in ("fused", "soft", "standard")]
+    together = eng.generate(prompts, params)
+    alone = [eng.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    assert [c.tokens for c in together] == [c.tokens for c in alone]
+    assert together[0].tokens != eng.generate([prompts[0]], SamplingParams(max_new_tokens=6, stop_at_eos=False,
+                                                                           prompt_mode="standard"))[0].tokens
+
+
+def test_prompt_modes_are_refused_where_they_do_not_apply():
+    from looplm.inference import Engine, GenerationConfig, SamplingParams
+    plain = looplm.build_model(looplm.load_recipe("quickstart", {"model.d_model": 32, "model.n_heads": 2}))
+    with pytest.raises(looplm.UserError, match="prompt_mode soft"):
+        Engine(plain, None).generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, prompt_mode="soft"))
+    with pytest.raises(looplm.UserError, match="fixed depth"):
+        Engine(tiny(), None, GenerationConfig(exit="entropy:1.0"))
+
+
+def test_two_concurrent_server_requests_with_different_prompt_modes_each_equal_the_engine_alone():
+    import asyncio
+
+    import httpx
+
+    from looplm.data.tokenizer import ByteTokenizer
+    from looplm.inference import Engine, SamplingParams
+    from looplm.serve import ServeLimits, create_app
+    model = tiny()
+    engine = Engine(model, ByteTokenizer())
+    app = create_app(engine, limits=ServeLimits(batch_window_ms=50))
+    asks = [{"prompt": "def main(", "max_tokens": 6, "temperature": 0, "prompt_mode": "fused"},
+            {"prompt": "import os", "max_tokens": 6, "temperature": 0, "prompt_mode": "soft"}]
+
+    async def both():
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=a, timeout=60) for a in asks))
+    got = [r.json()["choices"][0]["text"] for r in asyncio.run(both())]
+    alone = [engine.generate([a["prompt"]], SamplingParams(max_new_tokens=6, prompt_mode=a["prompt_mode"],
+                                                           stop_at_eos=True))[0].text for a in asks]
+    assert got == alone
+    plain = looplm.build_model(looplm.load_recipe("quickstart", {"model.d_model": 32, "model.n_heads": 2}))
+    from fastapi.testclient import TestClient
+    r = TestClient(create_app(Engine(plain, ByteTokenizer()))).post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2, "prompt_mode": "soft"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_mode"

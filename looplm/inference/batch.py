@@ -87,13 +87,16 @@ class DecodeBatch:
         plist = list(plist) + [SamplingParams(max_new_tokens=1)] * (B - n)         # free rows: placeholders
         # each row's request: its params, text, tokens, prompt figures (request.py); free rows start done
         self.requests = [RequestState.new(sp, engine.tokenizer, deltas, done=b >= n) for b, sp in enumerate(plist)]
+        for req in self.requests[:n]:
+            req.mode = engine.prompt_mode(req.params)
         self.noise = engine.initial_noise(plist, ref)                                 # (B, context, d) or None
         self.sampler = Sampler(plist, list(ids) + [[]] * (B - n), engine.cfg.vocab_size, ref.device)
         self.eos = getattr(engine.tokenizer, "eos_id", None)
         self.col = P                                         # the column the next decode step writes
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
-        exact = engine.config.prefill_cache == "full"
+        # a feedback model's prompts run whole: the fused pass reads the whole prompt's first-pass top states
+        exact = engine.config.prefill_cache == "full" and not engine.feedback
         self.join_chunk = prefill_chunk if prefill_chunk and exact else None   # None: prompts run whole
         self.chunk = self.join_chunk or P                                      # prompt columns per prefill step
         self._join_tail = (0, 0)          # the joining prompts' budget's tail: (step, columns used there)
@@ -153,6 +156,7 @@ class DecodeBatch:
                 self.noise[b] = initial_noise_table(e.cfg, sp.seed).to(self.noise)
             self.sampler.set_row(b, sp, ids)
             self.requests[b] = req = RequestState.new(sp, e.tokenizer, self.deltas)     # nothing of the last one
+            req.mode = e.prompt_mode(sp)
             idx = torch.tensor([ids], dtype=torch.long, device=self.idx.device)
             if parts:
                 req.joining, self._join_tail = JoinProgress(idx, start, 0, parts), tail
@@ -176,7 +180,11 @@ class DecodeBatch:
         e = self.engine
         cache_rows = list(range(idx.shape[0])) if rows is None else rows.tolist()
         want = [(j, b) for j, b in enumerate(cache_rows) if self.requests[b].params.prompt_logprobs is not None]
-        if not (e.adaptive and e.policy.exit_in_prefill):
+        if e.feedback:
+            logits, used = self._feedback_prompt(idx, start, rows, cache_rows, bool(want))
+            if not want:
+                return (logits[:, -1] if logits.dim() == 3 else logits), used
+        elif not (e.adaptive and e.policy.exit_in_prefill):
             logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows,
                                        all_logits=bool(want), work=self.work)
             if not want:
@@ -188,6 +196,50 @@ class DecodeBatch:
         if want:
             self._record_prompt(want, idx, start, logits)
         return logits[:, -1], used
+
+    def _feedback_prompt(self, idx: Tensor, start: int, rows: Tensor | None, cache_rows: list[int],
+                         scored: bool) -> tuple[Tensor, Tensor | int]:
+        """A feedback model's prompt chunk (model/feedback.py): pass 1 reads it plainly (standard and soft
+        rows end here); fused rows run a second pass whose inputs fuse pass 1's top states shifted by one
+        position, rewriting their cache entries. Each soft or fused row carries its last position's top
+        state into its first generated token. Returns (logits (rows, T, V), rounds)."""
+        from ..model.feedback import plain_positions, shift_states
+        e, dev = self.engine, idx.device
+        reqs = [self.requests[b] for b in cache_rows]
+        fused = [j for j, r in enumerate(reqs) if r.mode == "fused"]
+        tops: list[Tensor] = []
+        logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows,
+                                   all_logits=scored or bool(fused), work=self.work, tops=tops)
+        top = tops[-1]                                                          # (rows, T, d)
+        if fused:
+            sel = torch.tensor(fused, device=dev)
+            cache_sel = torch.tensor([cache_rows[j] for j in fused], device=dev)
+            x = idx[sel]
+            # plain: a row's first real column (left padding before it) and, with reset_at_eos, after an eos
+            first = (start + torch.arange(x.shape[1], device=dev)) <= self.cache.pad[cache_sel].unsqueeze(-1)
+            plain = plain_positions(x, self.eos, e.model.feedback_cfg.reset_at_eos) | first
+            again: list[Tensor] = []
+            lg2, _ = e.run_chunk(x, start, self.cache, phase="prefill", noise=self.noise, rows=cache_sel,
+                                 all_logits=True, work=self.work, feedback=(shift_states(top[sel]), plain),
+                                 tops=again)
+            logits, top = logits.clone(), top.clone()
+            logits[sel], top[sel] = lg2, again[-1]
+        reset = e.model.feedback_cfg.reset_at_eos
+        for j, req in enumerate(reqs):
+            req.carried = top[j, -1]
+            req.after_eos = reset and self.eos is not None and int(idx[j, -1]) == self.eos
+        return logits, used
+
+    def _feedback_inputs(self, rows: list[int]) -> tuple[Tensor, Tensor]:
+        """A decode step's feedback for `rows`: each row's carried top state (B', 1, d) and whether it reads
+        its plain embedding instead (B', 1): standard rows always, a row with nothing carried, and with
+        reset_at_eos the token after an end-of-text token."""
+        d, dev = self.engine.cfg.d_model, self.idx.device
+        zero = torch.zeros(d, device=dev, dtype=next(self.engine.model.parameters()).dtype)
+        reqs = [self.requests[b] for b in rows]
+        h = torch.stack([r.carried if r.carried is not None else zero for r in reqs]).unsqueeze(1)
+        plain = torch.tensor([[r.mode == "standard" or r.carried is None or r.after_eos] for r in reqs], device=dev)
+        return h, plain
 
     def _record_prompt(self, want: list[tuple[int, int]], idx: Tensor, start: int, logits: Tensor) -> None:
         """Prompt log-probabilities of this chunk's columns for the (chunk row j, cache row b)
@@ -281,16 +333,28 @@ class DecodeBatch:
         toks = torch.tensor([self.requests[b].token for b in rows], dtype=torch.long, device=dev)
         self.sampler.observe(toks, rows)
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        tops: list[Tensor] | None = [] if e.feedback else None
         if len(rows) < self.B and (consecutive or 2 * len(rows) <= self.B):
             sel = torch.tensor(rows, device=dev)
             logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel,
-                                       work=self.work)
+                                       work=self.work, tops=tops,
+                                       feedback=self._feedback_inputs(rows) if e.feedback else None)
+            ran = rows
         else:
             every = torch.tensor([r.token for r in self.requests], dtype=torch.long, device=dev)
-            logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise, work=self.work)
+            ran = list(range(self.B))
+            logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise, work=self.work,
+                                       tops=tops, feedback=self._feedback_inputs(ran) if e.feedback else None)
             if len(rows) < self.B:
                 logits = logits[rows]
                 used = used if isinstance(used, int) else used[rows]
+        if e.feedback:            # each row that ran carries this position's top state to its next token
+            reset = e.model.feedback_cfg.reset_at_eos
+            for j, b in enumerate(ran):
+                if b in rows:
+                    req = self.requests[b]
+                    req.carried = tops[-1][j, -1]
+                    req.after_eos = reset and self.eos is not None and req.token == self.eos
         self._sampled(logits, used, rows)
         self.col += 1
         self.row_steps += len(rows)

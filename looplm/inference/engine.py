@@ -123,12 +123,7 @@ class Engine:
         config = config or GenerationConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cfg = model.cfg
-        if getattr(model, "feedback", None) is not None:
-            # serial decoding with the previous position's top state is not wired into the cached chunks yet:
-            # refused rather than decoded as a plain model (which would silently drop what it was trained with)
-            raise UserError(f"this run has full-bandwidth feedback (feedback.mode = {model.feedback.mode}); the "
-                            "cached engine does not decode it yet (generate, serve, lm-eval, cache evaluation); "
-                            "`looplm eval` reports its loss by passes")
+        self.feedback = getattr(model, "feedback", None) is not None     # prompt modes (SamplingParams)
         if getattr(model, "mor_router", None) is not None:
             config = self._routed_config(config, model)
             self.config = config
@@ -168,6 +163,8 @@ class Engine:
                                 f"pass --exit fixed, or draft with the policy: --speculative exit:K")
             if config.decode_cache != "full":
                 raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
+        if self.feedback:
+            self._check_feedback()
         self.last_stats: dict[str, Any] = {}
         self._fast: PackedOps | None = None
 
@@ -252,6 +249,23 @@ class Engine:
         events = DecodeBatch(self, ids, plist, deltas=False).step()     # batched prefill, even when speculative
         return [(ev.prompt_logprobs or [], ev.prompt_top_logprobs or []) for ev in sorted(events, key=lambda ev: ev.row)]
 
+    def prompt_mode(self, sp: SamplingParams) -> str:
+        """The request's prompt mode: its own, else soft for a feedback model and standard otherwise."""
+        mode = sp.prompt_mode or ("soft" if self.feedback else "standard")
+        if mode != "standard" and not self.feedback:
+            raise UserError(f"prompt_mode {mode}: this model has no full-bandwidth feedback (feedback.mode = none); "
+                            "only standard applies")
+        return mode
+
+    def _check_feedback(self) -> None:
+        """What a feedback model decodes with: fixed depth, no speculation (refused, not ignored)."""
+        if self.adaptive or self.config.exit_in_prefill:
+            raise UserError(f"--exit {self.policy}: a feedback model decodes at a fixed depth for now (the top state "
+                            "it carries is the last round's)")
+        if self.speculative:
+            raise UserError("--speculative: not available for a feedback model yet (its carried state would have to "
+                            "roll back with the cache)")
+
     @staticmethod
     def _routed_config(config: GenerationConfig, model: Any) -> GenerationConfig:
         """A Mixture-of-Recursions model decodes the function it was trained as: every token (prompt
@@ -320,6 +334,7 @@ class Engine:
             raise ValueError(f"{len(plist)} SamplingParams for {len(ids)} prompts")
         ctx = self.cfg.context
         for p, sp in zip(ids, plist):
+            self.prompt_mode(sp)                                   # a mode the model has, before any work
             if sp.logit_bias and sp.logit_bias[-1][0] >= self.cfg.vocab_size:        # sorted: the largest id
                 raise UserError(f"logit_bias: token id {sp.logit_bias[-1][0]} is outside the vocabulary "
                                 f"(0..{self.cfg.vocab_size - 1})")
@@ -352,7 +367,8 @@ class Engine:
                   commit: bool = True, rows: Tensor | None = None,
                   trace: list[tuple[Tensor, Tensor]] | None = None,
                   may_exit: Tensor | None = None, work: DecodeWork | None = None,
-                  work_phase: str | None = None) -> ChunkResult:
+                  work_phase: str | None = None, feedback: tuple[Tensor, Tensor] | None = None,
+                  tops: list[Tensor] | None = None) -> ChunkResult:
         """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`).
 
         Returns a ChunkResult (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at
@@ -366,18 +382,24 @@ class Engine:
         the last round), both (B, T, d). `may_exit` (B,) bool: only these rows may exit early
         (the others run every round; evaluation of task answers). `work` (from `new_work`): records
         every column this chunk computed, each row's at the rounds, readouts, head products and gate
-        evaluations it ran, under `work_phase` (default `phase`)."""
+        evaluations it ran, under `work_phase` (default `phase`). feedback (h (B, T, d), plain (B, T)):
+        the previous positions' top states fused into these tokens' input (model/feedback.py); `tops`
+        (fixed depth) gets the chunk's top states after the final norm, (B, T, d) with all_logits else
+        (B, 1, d): what the next position reads."""
         k = self._fast or self.kernels()
         T = idx.shape[1]
         cache.begin(start, T, phase, rows)
-        rope, e, s = self.chunk_inputs(idx, start, cache, noise, rows)
+        rope, e, s = self.chunk_inputs(idx, start, cache, noise, rows, feedback)
         exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
         if not exits:
             R = rounds or self.rounds
             s = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R).state
             if trace is not None:
                 trace.append((e, s))
-            logits = k.readout(s, rope, cache, R, all_logits)
+            top: dict[int, Tensor] | None = {} if tops is not None else None
+            logits = k.readout(s, rope, cache, R, all_logits, top)
+            if tops is not None:
+                tops.append(top[R] if all_logits else top[R].unsqueeze(1))
             if commit:
                 cache.commit(R)
             if work is not None:    # the coda runs on every column, the head on the last (on each with all_logits)
@@ -385,6 +407,8 @@ class Engine:
             return ChunkResult(logits, R)
         if T != 1:
             raise ValueError("per-token exits run one column at a time")
+        if feedback is not None or tops is not None:
+            raise ValueError("feedback decodes at a fixed depth (Engine._check_feedback)")
         if may_exit is not None and rows is not None:          # the controller counts cache rows
             may_exit = torch.ones(cache.batch, dtype=torch.bool, device=may_exit.device).index_put((rows,), may_exit)
         logits, used, ctl = self._rounds_with_exits(s, e, rope, cache, phase, rows, may_exit)    # (cache rows, ...)
@@ -398,7 +422,7 @@ class Engine:
         return ChunkResult(logits, used) if rows is None else ChunkResult(logits[rows], used[rows.cpu()])
 
     def chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
-                     rows: Tensor | None) -> tuple[Any, Tensor, Tensor]:
+                     rows: Tensor | None, feedback: tuple[Tensor, Tensor] | None = None) -> tuple[Any, Tensor, Tensor]:
         """After `cache.begin(start, T, phase, rows)`: the chunk's RoPE tables, prelude output e
         and initial state s, (B, T, d) each (the prelude writes its cache entries)."""
         B, T = idx.shape
@@ -411,7 +435,8 @@ class Engine:
         if noise is not None:
             r = torch.arange(B, device=noise.device) if rows is None else rows.to(noise.device)  # (B,) table rows
             s0 = noise[r, start:start + T] if positions is None else noise[r[:, None], positions]  # (B, T, d)
-        return self.model.loop_inputs(idx, start, positions, cache, self._fast or self.kernels(), initial_state=s0)
+        return self.model.loop_inputs(idx, start, positions, cache, self._fast or self.kernels(), initial_state=s0,
+                                      feedback=feedback)
 
     def kernels(self) -> PackedOps:
         """The fused kernels the chunks run on, rebuilt when a model weight changed in place since
@@ -491,7 +516,7 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                      top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                      stop: Sequence[str] = (), logprobs: int | None = None,
-                     logit_bias: dict[int, float] | None = None) -> dict[str, Any]:
+                     logit_bias: dict[int, float] | None = None, prompt_mode: str | None = None) -> dict[str, Any]:
     """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details."""
     overrides = {k: v for k, v in dict(rounds=rounds, exit=exit, prefill_cache=prefill_cache,
                                        decode_cache=decode_cache, missing=missing,
@@ -500,7 +525,7 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                             top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, logit_bias=logit_bias or {}, stop=tuple(stop),
-                            logprobs=logprobs)
+                            logprobs=logprobs, prompt_mode=prompt_mode)
     out = engine.generate([prompt], params)[0]
     st = out.stats
     result = {"text": out.text, "tokens": out.tokens, "rounds_used": out.rounds_used,
@@ -508,7 +533,7 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
               "ttft_s": st["ttft_s"], "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
               "mean_rounds": sum(out.rounds_used) / max(len(out.rounds_used), 1), "max_rounds": engine.rounds,
               "exit": st["exit"], "prefill_cache": st["prefill_cache"], "decode_cache": st["decode_cache"],
-              "missing_kv": st["missing"], "cache_bytes": st["cache_bytes"]}
+              "missing_kv": st["missing"], "cache_bytes": st["cache_bytes"], "prompt_mode": engine.prompt_mode(params)}
     # compute beside the measured speed: the FLOPs of every column the engine computed (model/flops.py,
     # recorded by the chunks that ran them), the prompt's per prompt token and the rest per token
     # decoded after the first (which the prefill's pass produced); under speculation drafts and

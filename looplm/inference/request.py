@@ -2,7 +2,8 @@
 
 A batch (batch.py) holds one `RequestState` per row and speculation (speculative.py) one for its
 single row; the server's scheduler hands rows to them (scheduler.py). A row that takes a new
-request gets a fresh state, so nothing of the previous request leaks into it; the batch-wide
+request gets a fresh state, so nothing of the previous request leaks into it — a feedback model's
+carried top state included (each row's is its own, indexed by its row in every chunk); the batch-wide
 tensors (the KV cache, the rows' initial-state noise tables, the sampler's per-row generators)
 are reset by the batch when it places the request. Everything a request emits goes through
 `emit`, one rule for both: count the token, extend the text, decide whether the request ends
@@ -55,6 +56,12 @@ class RequestState:
     """(V,) the logits of its last prefilled column: they score the next prompt chunk's first token."""
     joining: JoinProgress | None = None
     """Set while its prompt is prefilled in chunks into a running batch."""
+    mode: str = "standard"
+    """Its prompt mode (a feedback model's: standard, soft or fused; SamplingParams.prompt_mode)."""
+    carried: Tensor | None = None
+    """Feedback: (d,) the top state of its last computed position, which its next token's input fuses."""
+    after_eos: bool = False
+    """Feedback: the token it fed last was end-of-text, so the next position starts plain (reset_at_eos)."""
 
     @classmethod
     def new(cls, params: SamplingParams, tokenizer: Any, deltas: bool, done: bool = False) -> "RequestState":

@@ -26,6 +26,10 @@ def positions_run(prompt_tokens: int, new_tokens: int) -> int:
     return prompt_tokens + max(new_tokens, 1) - 1
 
 
+PROMPT_MODES = ("standard", "soft", "fused")
+"""A feedback model's prompt modes (SamplingParams.prompt_mode)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How one request samples; every field is checked here (UserError names it)."""
@@ -62,6 +66,11 @@ class SamplingParams:
     """Report each prompt token's log-probability given the ones before it (None for the first)
     and the `prompt_logprobs` likeliest tokens' at its position, from the prefill that also
     chooses the first token (on the row's first event; None = off; at most 20)."""
+    prompt_mode: str | None = None
+    """A feedback model's prompt mode (model/feedback.py): standard = no feedback at all; soft = the prompt
+    read plainly, feedback from the prompt's last position on; fused = an extra prefill pass that reads
+    pass 1's top states shifted by one (about 2x the prefill work), then feedback. None = the engine's
+    (soft for a feedback model, standard otherwise)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str, value: Any) -> UserError:
@@ -100,6 +109,8 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and (not is_int(n) or not 0 <= n <= 20):
                 raise bad(name, "must be an integer in [0, 20] or None (off)", n)
+        if self.prompt_mode not in (None, *PROMPT_MODES):
+            raise bad("prompt_mode", f"must be one of {', '.join(PROMPT_MODES)}", self.prompt_mode)
         object.__setattr__(self, "temperature", float(self.temperature))
 
     @property
