@@ -20,11 +20,14 @@ from looplm.train.trainer import train
 
 from conftest import tiny_recipe
 
+NOT_APPLICABLE_WITHOUT_FEEDBACK = {"feedback_shift_by_one", "feedback_start_convention",
+                                   "feedback_pass_loss_composition", "feedback_request_isolation"}
 NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved", "quantile_exit_matches_cumulative_mass",
-                               "routed_decode_matches_training"}
+                               "routed_decode_matches_training", *NOT_APPLICABLE_WITHOUT_FEEDBACK}
 RECORD_CHECKS = {"round_telemetry_present"}  # every other check that runs measures
 NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth",
-                         "quantile_exit_matches_cumulative_mass", "routed_decode_matches_training"}
+                         "quantile_exit_matches_cumulative_mass", "routed_decode_matches_training",
+                         *NOT_APPLICABLE_WITHOUT_FEEDBACK}
 
 
 def make_run(tmp_path, text_dir, name="run", **overrides):
@@ -238,7 +241,7 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
     (path / "report.json").write_text(json.dumps({**run.report}))
     capsys.readouterr()
     assert main(["check", str(path)]) == 1
-    assert capsys.readouterr().out.splitlines()[-1].endswith("1 failed, 3 not applicable")
+    assert capsys.readouterr().out.splitlines()[-1].endswith("1 failed, 7 not applicable")
 
 
 def _state_rms_by_hand(model, idx, rounds):

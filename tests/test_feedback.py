@@ -219,6 +219,10 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     assert set(report["feedback_val_loss_by_passes"]) == {"1", "2", "3"}
     run = looplm.load_run(tmp_path / "run")
     assert check_token_accounting(run).passed
+    from looplm.checks import (check_feedback_isolation, check_feedback_loss, check_feedback_shift,
+                               check_feedback_start)
+    for check in (check_feedback_shift, check_feedback_start, check_feedback_loss, check_feedback_isolation):
+        assert check(run).passed, check(run).detail
     assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]) == {"1", "2", "3"}
     for mode in ("standard", "soft", "fused"):
@@ -317,3 +321,40 @@ def test_two_concurrent_server_requests_with_different_prompt_modes_each_equal_t
     r = TestClient(create_app(Engine(plain, ByteTokenizer()))).post(
         "/v1/completions", json={"prompt": "x", "max_tokens": 2, "prompt_mode": "soft"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_mode"
+
+
+def test_the_feedback_checks_fail_on_a_broken_implementation(monkeypatch):
+    """Each check against its bug: no shift (token t reads its own state), a start convention that fuses
+    everywhere, a trainer that drops the later passes' loss, a carried state shared between rows."""
+    import types
+
+    import looplm.inference.batch as batch_mod
+    import looplm.model.feedback as fbm
+    import looplm.train.trainer as trainer
+    from looplm import checks
+    from looplm.data.tokenizer import ByteTokenizer
+    from looplm.runs.checkpoint import Run
+    recipe = looplm.load_recipe("quickstart", {
+        "model.d_model": 32, "model.n_heads": 2, "model.context": 32, "depth.kind": "fixed", "depth.rounds": 2,
+        "backward.window": "all", "exit.min_rounds": 1, "data.seq_len": 32, "feedback.mode": "gate"})
+    run = Run(path=None, recipe=recipe, model=tiny(), tokenizer=ByteTokenizer(), report={})
+    for c in (checks.check_feedback_shift, checks.check_feedback_start, checks.check_feedback_loss,
+              checks.check_feedback_isolation):
+        assert c(run).passed, c.__name__
+    with monkeypatch.context() as mp:
+        mp.setattr(fbm, "shift_states", lambda top: top)
+        assert not checks.check_feedback_shift(run).passed
+    with monkeypatch.context() as mp:
+        mp.setattr(fbm, "plain_positions", lambda idx, *a, **k: torch.zeros(idx.shape, dtype=torch.bool))
+        assert not checks.check_feedback_start(run).passed
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer, "feedback_plan", lambda recipe, x, *a, **k: (1, None))
+        assert not checks.check_feedback_loss(run).passed
+    with monkeypatch.context() as mp:
+        real = batch_mod.DecodeBatch._feedback_inputs
+
+        def shared(self, rows):   # every row reads the first row's carried state
+            h, plain = real(self, rows)
+            return h[:1].expand_as(h), plain
+        mp.setattr(batch_mod.DecodeBatch, "_feedback_inputs", shared)
+        assert not checks.check_feedback_isolation(run).passed

@@ -89,8 +89,15 @@ def passes_forward(model: Any, idx: Tensor, passes: int, plain: Tensor, run: Any
     """The K-pass training forward: one LoopOutput per pass. Pass 1 runs on the embeddings; pass k
     fuses pass k-1's top states, shifted by one position, into the bottom input. Gradients flow
     through the earlier passes (nothing is detached). `run` is what calls the model (its DDP or
-    compiled wrapper; default the model); kwargs go to every pass (rounds, window, readouts, ...)."""
+    compiled wrapper; default the model); kwargs go to every pass (rounds, window, readouts, ...). A
+    random initial state is drawn once (from kwargs' generator) and shared by every pass."""
     run = model if run is None else run
+    if model.cfg.init_state == "random" and kwargs.get("initial_state") is None and \
+            (model.training or kwargs.get("generator") is not None):
+        # one initial state per position for every pass, as serial decoding has one per position
+        gen = kwargs.pop("generator", None)
+        kwargs["initial_state"] = model.random_state((*idx.shape, model.cfg.d_model), gen,
+                                                      model.embed.weight.dtype, idx.device)
     outs: list[Any] = []
     fed = None
     for k in range(passes):
