@@ -22,13 +22,13 @@ def _overrides(pairs: list[str] | None) -> dict[str, Any]:
     return dict(parse_override(p) for p in pairs or [])
 
 
-def _rounds_arg(text: str) -> list[int]:
+def _rounds_arg(text: str, flag: str = "--rounds") -> list[int]:
     try:
         rounds = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"--rounds {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8") from None
+        raise UserError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8") from None
     if not rounds or min(rounds) < 1:
-        raise UserError(f"--rounds {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8")
+        raise UserError(f"{flag} {text!r}: expected comma-separated positive integers, e.g. 1,2,4,8")
     return rounds
 
 
@@ -136,11 +136,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     batches = eval_batches_for(run, args.data, batch_size=args.batch_size)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
+    if args.feedback_passes and run.model.feedback is None:
+        raise UserError("--feedback-passes: this run has no full-bandwidth feedback (feedback.mode = none)")
     if run.model.feedback is not None:   # the rounds above are the plain pass; feedback's passes at the depth
         from .evaluation.feedback import loss_by_passes
         depth = run.recipe.depth.rounds
-        rep = result["feedback_loss_by_passes"] = loss_by_passes(run.model, batches, run.recipe,
-                                                                 run.tokenizer.eos_id, 3, depth)
+        wanted = _rounds_arg(args.feedback_passes, "--feedback-passes") if args.feedback_passes else [1, 2, 3]
+        every = loss_by_passes(run.model, batches, run.recipe, run.tokenizer.eos_id, max(wanted), depth)
+        rep = result["feedback_loss_by_passes"] = {str(k): every[str(k)] for k in wanted}
         lines.insert(0, f"(feedback.mode = {run.recipe.feedback.mode}: the rounds below are one plain pass)")
         lines.append(f"feedback at {depth} rounds: " + ", ".join(f"{k} pass{'es' if k != '1' else ''} {v:.4f}"
                                                                for k, v in rep.items()))
@@ -531,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, metavar="N",
                    help="rows per forward pass over the same validation windows (default the recipe's "
                         "train.batch_size); larger passes time early exit with less per-call overhead")
+    e.add_argument("--feedback-passes", metavar="K1,K2,...",
+                   help="a feedback run: held-out loss after each of these numbers of parallel passes (depth "
+                        "stability, e.g. 1,2,4,8,16,30; default 1,2,3)")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
     _device_arg(e)

@@ -225,6 +225,9 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
         assert check(run).passed, check(run).detail
     assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]) == {"1", "2", "3"}
+    assert main(["eval", str(tmp_path / "run"), "--feedback-passes", "1,2,5", "--json"]) == 0   # depth stability
+    by = json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]
+    assert set(by) == {"1", "2", "5"} and by["1"] == pytest.approx(report["feedback_val_loss_by_passes"]["1"])
     for mode in ("standard", "soft", "fused"):
         assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "6",
                      "--prompt-mode", mode, "--json"]) == 0
