@@ -217,6 +217,7 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     assert fb["extra_parameters"] == 2 * recipe.model.d_model ** 2
     assert sum(fb["passes_histogram"].values()) == 8 and fb["passes_histogram"].get("1", 0) >= 2
     assert set(report["feedback_val_loss_by_passes"]) == {"1", "2", "3"}
+    assert "## Full-bandwidth feedback" in (tmp_path / "run" / "report.md").read_text()
     run = looplm.load_run(tmp_path / "run")
     assert check_token_accounting(run).passed
     from looplm.checks import (check_feedback_isolation, check_feedback_loss, check_feedback_shift,

@@ -709,11 +709,21 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
                                                                   max(3, len(recipe.feedback.passes)))
     if model.feedback is not None:
         n = sum(counters.pass_histogram.values())
-        extra["feedback"] = {
+        fb = extra["feedback"] = {
             "mode": recipe.feedback.mode, "extra_parameters": model.param_groups_by_role()["feedback"],
             "passes_histogram": {str(k): v for k, v in sorted(counters.pass_histogram.items())},
             "mean_passes": sum(k * v for k, v in counters.pass_histogram.items()) / max(1, n),
-            "token_passes": counters.feedback_token_passes}
+            "token_passes": counters.feedback_token_passes,
+            "objective": "first pass's loss + later_weight x the mean of the later passes' (a multi-pass "
+                         "micro-batch's training loss is about 1 + later_weight times a one-pass one's)"}
+        by = extra.get("feedback_val_loss_by_passes", {})
+        extra.setdefault("sections", []).append({"title": "Full-bandwidth feedback", "markdown": "\n".join([
+            f"- fusion `{fb['mode']}`, {fb['extra_parameters']:,} extra weights; micro-batches by passes "
+            f"{fb['passes_histogram']} (mean {fb['mean_passes']:.3f}, plain pre-training before step "
+            f"{recipe.feedback.mix_from_step} included); tokens x passes {fb['token_passes']:,}",
+            f"- training loss is the objective: {fb['objective']}",
+            "- held-out loss by passes at the recipe's depth: "
+            + ", ".join(f"{k}: {v:.4f}" for k, v in by.items())])})
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     return {
         "recipe": recipe.to_dict(),
