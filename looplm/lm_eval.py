@@ -14,7 +14,8 @@ Model arguments (`--model_args`): run (the run folder, required); rounds (the mo
 token; default the recipe's depth); exit (an exit policy as `looplm generate --exit` takes it:
 fixed, fixed:R, entropy:TAU, kl:EPS, quantile:Q; default the recipe's); device (cpu by default,
 auto = cuda when available); batch_size (prompts per engine batch; default lm-eval's
---batch_size); seed (the random initial loop state's seed and sampling's; default 0); max_gen_toks
+--batch_size); prompt_mode (a feedback run's: standard, soft or fused, for every request; default
+soft); seed (the random initial loop state's seed and sampling's; default 0); max_gen_toks
 (generate_until's default length, 256). A model argument wins over lm-eval's own --batch_size and
 --device, which lm-eval passes to every model (--batch_size defaults to 1, --device to cuda:0,
 which falls back to cpu where torch sees no CUDA device).
@@ -74,7 +75,7 @@ NAME = "looplm"
 log = logging.getLogger(__name__)
 
 # model_args (and lm-eval's own constructor keywords) LoopLM takes; anything else is a typo
-_ARGS = ("run", "rounds", "exit", "device", "batch_size", "max_batch_size", "seed", "max_gen_toks")
+_ARGS = ("run", "rounds", "exit", "device", "batch_size", "max_batch_size", "seed", "max_gen_toks", "prompt_mode")
 _SAMPLING_KWARGS = ("top_p", "top_k", "repetition_penalty")   # gen_kwargs passed to SamplingParams as they are
 
 Window = tuple[int, ...]          # a prompt's token ids, as a dict key
@@ -96,7 +97,7 @@ class LoopLM(TemplateLM):
 
     def __init__(self, run: str | None = None, rounds: int | str | None = None, exit: str | None = None,
                  device: str | None = None, batch_size: int | str = 1, max_batch_size: int | None = None,
-                 seed: int | str = 0, max_gen_toks: int | str = 256) -> None:
+                 seed: int | str = 0, max_gen_toks: int | str = 256, prompt_mode: str | None = None) -> None:
         # max_batch_size: lm-eval passes it to every model (the cap of its batch_size auto, which this model refuses)
         super().__init__()
         if run is None:
@@ -110,6 +111,8 @@ class LoopLM(TemplateLM):
         self.batch_size = _int_arg(batch_size, "batch_size", 1)
         self.seed = _int_arg(seed, "seed", 0)
         self.max_gen_toks = _int_arg(max_gen_toks, "max_gen_toks", 1)
+        # a feedback model's prompt mode for every request (checked here: a mode the model has)
+        self.prompt_mode = self.engine.prompt_mode(SamplingParams(prompt_mode=prompt_mode or None))
         self._device = next(self.run.model.parameters()).device
 
     @classmethod
@@ -222,7 +225,7 @@ class LoopLM(TemplateLM):
             # answer must not depend on its place); sampled rows each get their own, as repeats must differ
             seed = self.seed if temperature == 0.0 else self.seed + i
             jobs.append((ids, SamplingParams(max_new_tokens=new, temperature=temperature, stop=until, seed=seed,
-                                             **extra)))
+                                             prompt_mode=self.prompt_mode, **extra)))
         order = sorted(range(len(jobs)), key=lambda i: (-len(jobs[i][0]), i))          # longest first, as HF
         texts = [""] * len(jobs)
         batches = [order[a:a + self.batch_size] for a in range(0, len(order), self.batch_size)]
@@ -248,7 +251,7 @@ class LoopLM(TemplateLM):
         scored: dict[Window, tuple[list[float], list[bool]]] = {}
         batches = [roots[a:a + self.batch_size] for a in range(0, len(roots), self.batch_size)]
         for batch in tqdm(batches, desc="looplm loglikelihood", disable=disable_tqdm):
-            got = self.engine.prompt_logprobs(batch, top=1, seeds=[self.seed] * len(batch))
+            got = self.engine.prompt_logprobs(batch, top=1, seeds=[self.seed] * len(batch), prompt_mode=self.prompt_mode)
             for p, (lps, tops) in zip(batch, got):
                 scored[p] = ([float("nan") if lp is None else lp for lp in lps],
                              [top is not None and top[0][0] == tok for top, tok in zip(tops, p)])

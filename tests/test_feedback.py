@@ -229,6 +229,23 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     assert main(["eval", str(tmp_path / "run"), "--feedback-passes", "1,2,5", "--json"]) == 0   # depth stability
     by = json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]
     assert set(by) == {"1", "2", "5"} and by["1"] == pytest.approx(report["feedback_val_loss_by_passes"]["1"])
+    # lm-eval's model scores with the prompt mode asked: fused = the second pass's logits over the whole text
+    import torch.nn.functional as F
+
+    from looplm.lm_eval import LoopLM
+    from lm_eval.api.instance import Instance
+    req = [Instance(request_type="loglikelihood", doc={}, arguments=("def main(x):", " return x"), idx=0)]
+    text = run.tokenizer.encode("def main(x): return x")
+    cont = len(run.tokenizer.encode(" return x"))
+    with torch.no_grad():
+        x = torch.tensor([text])
+        outs = passes_forward(run.model, x, 2, plain_positions(x, run.tokenizer.eos_id, True))
+        want = {m: F.log_softmax(o.logits[0, :-1].float(), -1)[torch.arange(len(text) - 1), x[0, 1:]][-cont:].sum().item()
+                for m, o in zip(("standard", "fused"), outs)}
+    for mode in ("standard", "fused"):
+        assert LoopLM(run=str(tmp_path / "run"), prompt_mode=mode).loglikelihood(req)[0][0] == \
+            pytest.approx(want[mode], abs=1e-3)
+    assert want["standard"] != pytest.approx(want["fused"], abs=1e-3)
     for mode in ("standard", "soft", "fused"):
         assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "6",
                      "--prompt-mode", mode, "--json"]) == 0
@@ -362,3 +379,11 @@ def test_the_feedback_checks_fail_on_a_broken_implementation(monkeypatch):
             return h[:1].expand_as(h), plain
         mp.setattr(batch_mod.DecodeBatch, "_feedback_inputs", shared)
         assert not checks.check_feedback_isolation(run).passed
+
+
+def test_the_seeds_pass_accounting():
+    """75/22/3 % of one-, two- and three-pass micro-batches: 1.28 passes on average; 200B unique tokens
+    are then 256B token-passes."""
+    fb = FeedbackConfig(mode="gate", passes=(0.75, 0.22, 0.03))
+    assert fb.mean_passes == pytest.approx(1.28)
+    assert 200e9 * fb.mean_passes == pytest.approx(256e9)

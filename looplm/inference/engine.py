@@ -237,14 +237,15 @@ class Engine:
                            prompt_top_logprobs=prompt[b].prompt_top_logprobs if b in prompt else None)
                 for b in range(len(ids))]
 
-    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0, seeds: Sequence[int] | None = None
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]], top: int = 0, seeds: Sequence[int] | None = None,
+                        prompt_mode: str | None = None
                         ) -> list[tuple[list[float | None], list[list[tuple[int, float]] | None]]]:
         """Per prompt: each token's log-probability given the tokens before it and the `top`
         likeliest tokens' at its position (None for the first token), from this engine's prefill
         of the prompts as one batch (`SamplingParams.prompt_logprobs`; `seeds`: each row's random
         initial state, default 0)."""
         ids, plist = self.prepare(list(prompts), [SamplingParams(max_new_tokens=1, seed=sd, prompt_logprobs=top,
-                                                                  stop_at_eos=False)
+                                                                  stop_at_eos=False, prompt_mode=prompt_mode)
                                                    for sd in (seeds or [0] * len(prompts))])
         events = DecodeBatch(self, ids, plist, deltas=False).step()     # batched prefill, even when speculative
         return [(ev.prompt_logprobs or [], ev.prompt_top_logprobs or []) for ev in sorted(events, key=lambda ev: ev.row)]
