@@ -689,6 +689,7 @@ def check_feedback_loss(run: Run) -> CheckResult:
         mode=fb.mode, norm=fb.norm, reset_at_eos=fb.reset_at_eos, passes=(0.0, 0.0, 1.0),
         later_weight=fb.later_weight))                             # three passes, no jitter: recomputable
     model = copy.deepcopy(run.model).train()
+    model.feedback.jitter = 0.0                                  # as the recipe above: recomputable
     x = _sample_ids(run, min(16, model.cfg.context) + 1)
     x, y = x[:, :-1], x[:, 1:]
     R = recipe.depth.rounds

@@ -95,8 +95,8 @@ def passes_forward(model: Any, idx: Tensor, passes: int, plain: Tensor, run: Any
     if model.cfg.init_state == "random" and kwargs.get("initial_state") is None and \
             (model.training or kwargs.get("generator") is not None):
         # one initial state per position for every pass, as serial decoding has one per position
-        gen = kwargs.pop("generator", None)
-        kwargs["initial_state"] = model.random_state((*idx.shape, model.cfg.d_model), gen,
+        # the generator stays in kwargs: the jitter draws from it too (reproducible from the trainer's seed)
+        kwargs["initial_state"] = model.random_state((*idx.shape, model.cfg.d_model), kwargs.get("generator"),
                                                       model.embed.weight.dtype, idx.device)
     outs: list[Any] = []
     fed = None
