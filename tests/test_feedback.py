@@ -387,3 +387,25 @@ def test_the_seeds_pass_accounting():
     fb = FeedbackConfig(mode="gate", passes=(0.75, 0.22, 0.03))
     assert fb.mean_passes == pytest.approx(1.28)
     assert 200e9 * fb.mean_passes == pytest.approx(256e9)
+
+
+def test_training_flops_count_every_pass_against_pytorchs_counter():
+    """Counted FLOPs of a 1-, 2- and 3-pass step against torch's FlopCounterMode: whatever the counter
+    leaves out of one pass (the CPU attention kernel), each pass leaves out the same, and nothing else
+    differs — the fusion's products in the fed passes included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from looplm.train.trainer import Counters, train_step
+    gaps = []
+    for passes in ([1.0], [0, 1.0], [0, 0, 1.0]):
+        r = looplm.load_recipe("quickstart", {
+            "model.d_model": 32, "model.n_heads": 2, "model.context": 32, "depth.kind": "fixed", "depth.rounds": 2,
+            "backward.window": "all", "exit.min_rounds": 1, "data.seq_len": 16, "train.batch_size": 2,
+            "model.init_state": "prelude", "feedback.mode": "gate", "feedback.passes": passes})
+        model = looplm.build_model(r)
+        x = ids(2, 16)
+        counters = Counters()
+        with FlopCounterMode(display=False) as fc:
+            train_step(model, r, x, torch.roll(x, -1, 1), 0, 0, counters, eos_id=EOS)
+        gaps.append(counters.train_flops - fc.get_total_flops())
+    assert gaps[1] == pytest.approx(2 * gaps[0]) and gaps[2] == pytest.approx(3 * gaps[0])

@@ -278,6 +278,8 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     # each pass is a whole forward and backward (the later passes' gradients reach the earlier ones)
     counters.train_flops += n_passes * x.numel() * train_flops_per_token(model.cfg, visits, x.shape[1],
                                                                          model.gate is not None)
+    if n_passes > 1:      # the fusion's products in every fed pass: 2 FLOPs a weight forward, 4 backward
+        counters.train_flops += (n_passes - 1) * x.numel() * 6 * model.param_groups_by_role()["feedback"]
     counters.last_visits = visits
     return loss.item() / world.size, out, info
 
