@@ -130,6 +130,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise UserError("--cache-sweep scores language-modelling text, and a task run has none (its --data is "
                             "a JSONL file of prompt/answer lines); evaluate a language-model run")
         return _eval_task_run(run, rounds, args)
+    if run.model.feedback is not None and (args.exit or args.exit_sweep or args.cache_sweep):
+        raise UserError("--exit/--exit-sweep/--cache-sweep measure plain decoding; this run has full-bandwidth "
+                        "feedback (feedback.mode), whose decoding carries each position's top state: `looplm eval` "
+                        "reports its loss by passes (--feedback-passes)")
     if run.model.cfg.mor != "none" and (args.exit or args.exit_sweep):
         raise UserError("--exit/--exit-sweep: a Mixture-of-Recursions model's router decides each token's depth; "
                         "`looplm eval RUN` reports the routed loss and depths")

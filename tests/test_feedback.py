@@ -229,6 +229,8 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     assert main(["eval", str(tmp_path / "run"), "--feedback-passes", "1,2,5", "--json"]) == 0   # depth stability
     by = json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]
     assert set(by) == {"1", "2", "5"} and by["1"] == pytest.approx(report["feedback_val_loss_by_passes"]["1"])
+    assert main(["eval", str(tmp_path / "run"), "--cache-sweep"]) == 2          # would measure plain decoding
+    assert "full-bandwidth feedback" in capsys.readouterr().err
     # lm-eval's model scores with the prompt mode asked: fused = the second pass's logits over the whole text
     import torch.nn.functional as F
 
