@@ -163,13 +163,47 @@ def test_unmappable_features_are_refused_by_name(hf_models, tmp_path, capsys, ch
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 
-def test_gemma_local_layers_with_their_own_rope_are_refused(hf_models, tmp_path, capsys):
-    _, folder = hf_models["gemma3"]
-    bad = _edit_config(folder, tmp_path / "bad", layer_types=["sliding_attention", "full_attention"] * 2,
-                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
-    assert main(["import", str(bad), "--out", str(tmp_path / "run")]) == 2
-    assert "sliding-window attention with their own RoPE" in capsys.readouterr().err
+def test_gemma_local_layers_keep_their_own_rope(tmp_path, capsys):
+    """Gemma 3 as it ships: sliding-window layers with RoPE base 10,000 beside global layers with 1,000,000 (the
+    window at or above the run's context, where it never bites): every layer kept at one round equals HF, a
+    looped core of one local and one global layer equals the layers unrolled by hand; a shared block that would
+    average a local and a global layer is refused."""
+    t = transformers
+    cfg = t.Gemma3TextConfig(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=128,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    torch.manual_seed(0)
+    hf = t.Gemma3ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    _tokenizer().save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    run = looplm.load_run(import_hf(tmp_path / "hf", tmp_path / "flat"))
+    assert run.recipe.model.local_rope_base == 10000.0 and run.recipe.model.local_blocks == (0, 2)
+    with torch.no_grad():
+        assert (run.model(ids).logits - hf(ids).logits).abs().max().item() < 1e-5
+        looped = looplm.load_run(import_hf(tmp_path / "hf", tmp_path / "looped", prelude=1, core="1:3", coda=1,
+                                           rounds=2))
+        assert looped.recipe.model.local_blocks == (0, 2)     # the prelude's layer 0; core block 1 from layer 2
+        inner = hf.model
+        h = inner.embed_tokens(ids[:1])
+        pos = torch.arange(ids.shape[1])[None]
+        for i in [0, 1, 2, 1, 2, 3]:
+            kind = cfg.layer_types[i]
+            out = inner.layers[i](h, attention_mask=None, position_ids=pos,
+                                  position_embeddings=inner.rotary_emb(h, pos, kind))
+            h = out[0] if isinstance(out, tuple) else out
+        assert (looped.model(ids[:1]).logits - hf.lm_head(inner.norm(h))).abs().max().item() < 1e-4
+    from looplm.inference import Engine, SamplingParams           # the cached engine picks each block's tables too
+    prompt = ids[0, :9].tolist()
+    with torch.no_grad():
+        want = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                           pad_token_id=0)[0, 9:].tolist()
+    got = Engine(run.model, run.tokenizer).generate([prompt], SamplingParams(max_new_tokens=6, stop_at_eos=False))
+    assert got[0].tokens == want
+    assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "avg"), "--core", "0:4",
+                 "--core-blocks", "1"]) == 2
+    assert "average local (sliding-window) and global" in capsys.readouterr().err
 
 
 def test_context_beyond_the_window_is_refused(hf_models, tmp_path, capsys):

@@ -39,8 +39,7 @@ os.environ.setdefault("LRU_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
 
 def rope_rows(rope: Any, keep: Tensor) -> Any:
     """RoPE tables for a subset of rows (shared (T, 1, Dh) tables need no indexing)."""
-    cos, sin = rope
-    return (cos[keep], sin[keep]) if cos.dim() == 4 else rope
+    return tuple(t[keep] for t in rope) if rope[0].dim() == 4 else rope
 
 
 def packed_weight(w: Tensor) -> Tensor | None:

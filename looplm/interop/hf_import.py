@@ -155,14 +155,17 @@ def model_fields(cfg: dict[str, Any], context: int | None, where: str) -> tuple[
         window = int(cfg["sliding_window"])
     elif kind in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         window = int(cfg["sliding_window"])
-    elif "sliding_attention" in layer_types:
+    local_layers: list[int] = []
+    local_base = 0.0
+    if kind not in ("mistral", "qwen2", "qwen3") and "sliding_attention" in layer_types:
         window = int(cfg["sliding_window"])
         local = _rope(_rope_params(cfg, "sliding_attention"), where)
-        if local != rope:
-            n = layer_types.count("sliding_attention")
-            raise UserError(f"{where}: {n} of {len(layer_types)} layers use sliding-window attention with their own "
-                            f"RoPE ({local}) beside the global layers' ({rope}); looplm's blocks share one RoPE table, "
-                            "so this cannot be imported exactly")
+        if local != rope:          # Gemma 3: the local layers rotate with their own base (model.local_rope_base)
+            if set(local) != {"rope_base"}:
+                raise UserError(f"{where}: the sliding-window layers' RoPE {local} is scaled; looplm's local blocks "
+                                "take a plain base (model.local_rope_base)")
+            local_base = local["rope_base"]
+            local_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
     limit = min(int(cfg.get("max_position_embeddings", DEFAULT_CONTEXT)), window or math.inf)
     if context is None:
         context = int(min(limit, DEFAULT_CONTEXT))
@@ -182,7 +185,8 @@ def model_fields(cfg: dict[str, Any], context: int | None, where: str) -> tuple[
     if gemma:
         fields["embed_scale"] = math.sqrt(d)
         fields["attn_scale"] = float(cfg.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5
-    notes = {"family": FAMILIES[kind], "sliding_window": window}
+    notes = {"family": FAMILIES[kind], "sliding_window": window, "local_rope_base": local_base,
+             "local_layers": local_layers}
     return fields, notes
 
 
@@ -280,6 +284,18 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None
     k = layout.core_blocks or j - i
     fields.update(n_prelude=layout.prelude, n_core=k, n_coda=layout.coda, tie_embeddings=not untied,
                   qkv_bias="layers.0.self_attn.q_proj.bias" in w, qk_norm="layers.0.self_attn.q_norm.weight" in w)
+    if notes["local_layers"]:      # which blocks come from local layers (an averaged core block: all or none)
+        local = set(notes["local_layers"])
+        sources = [[b] for b in range(layout.prelude)] + \
+                  [[i + g * k + b for g in range((j - i) // k)] for b in range(k)] + \
+                  [[layers - layout.coda + b] for b in range(layout.coda)]
+        mixed = [src for src in sources if 0 < len(local & set(src)) < len(src)]
+        if mixed:
+            raise UserError(f"--core-blocks {k}: a shared block would average local (sliding-window) and global "
+                            f"layers {mixed[0]}, which rotate differently")
+        blocks = tuple(pos for pos, src in enumerate(sources) if src[0] in local)
+        if blocks:
+            fields.update(local_rope_base=notes["local_rope_base"], local_blocks=blocks)
     tok_file = hf_dir / "tokenizer.json"
     if not tok_file.is_file():
         raise UserError(f"{hf_dir}: no tokenizer.json (looplm reads fast tokenizers; save one with "
@@ -318,7 +334,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None
               "layers": layers, "prelude": list(range(layout.prelude)), "core": list(range(i, j)),
               "core_blocks": k, "coda": list(range(layers - layout.coda, layers)),
               "dropped": layout.dropped(layers), "rounds": layout.rounds, "context": fields["context"],
-              "sliding_window": notes["sliding_window"], "tied_embeddings": not untied}
+              "sliding_window": notes["sliding_window"], "tied_embeddings": not untied,
+              "local_layers": notes["local_layers"], "local_rope_base": notes["local_rope_base"] or None}
     save_checkpoint(out, model, {"step": 0, "imported": record})
     write_text(out / "import.json", json.dumps(record, indent=2) + "\n")
     return out

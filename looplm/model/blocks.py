@@ -22,7 +22,8 @@ from ..recipe.config import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig) -> Tensor:
-    """(Dh/2,) angular frequency of each rotated pair: base^(-2i/Dh), stretched by model.rope_scaling."""
+    """(Dh/2,) angular frequency of each rotated pair: base^(-2i/Dh), stretched by model.rope_scaling
+    (a local block's tables: `dataclasses.replace(cfg, rope_base=local_rope_base, rope_scaling="none")`)."""
     inv = 1.0 / cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
     if cfg.rope_scaling == "linear":
         return inv / cfg.rope_factor
@@ -87,6 +88,7 @@ class Attention(nn.Module):
         # every attention path (SDPA here, the caches' `sdpa`) uses SDPA's default 1/sqrt(Dh); another
         # scale is folded into the queries once, so no cache needs to know it
         self.q_scale = cfg.attn_scale * math.sqrt(cfg.head_dim) if cfg.attn_scale else 1.0
+        self.local = False        # rotate with the local RoPE tables (model.local_blocks; set by LoopedLM)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: Any = None, slot: Any = None,
                 ops: Ops = EAGER) -> Tensor:
@@ -99,7 +101,7 @@ class Attention(nn.Module):
         qk = qkv[:, :, :H + Hkv]
         if self.q_norm is not None:                                            # per head, before RoPE
             qk = torch.cat([rms_norm(self.q_norm, qk[:, :, :H]), rms_norm(self.k_norm, qk[:, :, H:])], dim=2)
-        qk = apply_rope(qk, *rope)                                             # q and k rotated at once
+        qk = apply_rope(qk, *(rope[2:4] if self.local else rope[:2]))          # q and k rotated at once
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)      # (B, H, T, Dh), (B, Hkv, T, Dh)
         if self.q_scale != 1.0:
             q = q * self.q_scale

@@ -123,6 +123,17 @@ class LoopedLM(nn.Module):
         cos, sin = rope_tables(cfg, cfg.context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.local_rope_base:   # Gemma 3's local blocks: their own RoPE base; `rope` then hands both tables
+            import dataclasses
+            cos, sin = rope_tables(dataclasses.replace(cfg, rope_base=cfg.local_rope_base, rope_scaling="none"),
+                                   cfg.context)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
+            order = [*self.prelude, *self.core[:cfg.n_core], *self.coda]
+            for b in cfg.local_blocks:
+                order[b].attn.local = True
+            for j, blk in enumerate(self.core):      # an untied core's copies follow their shared block
+                blk.attn.local = self.core[j % cfg.n_core].attn.local
         if cfg.init_state == "random":  # eval mode's fixed initial state (seed 0), moved with the model
             self.register_buffer("eval_noise", initial_noise_table(cfg, 0), persistent=False)
         self._init_weights(beta)
@@ -164,9 +175,12 @@ class LoopedLM(nn.Module):
     def rope(self, start: int, T: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """RoPE tables for (B, T, heads, Dh) tensors: (T, 1, Dh) for positions start..start+T, or
         (B, T, 1, Dh) for per-row positions (B, T) (left-padded batches, gathered active tokens)."""
+        tables = [self.rope_cos, self.rope_sin]
+        if self.cfg.local_rope_base:                 # (cos, sin, local cos, local sin): each block picks its pair
+            tables += [self.rope_cos_local, self.rope_sin_local]
         if positions is None:
-            return self.rope_cos[start:start + T, None], self.rope_sin[start:start + T, None]
-        return self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2)
+            return tuple(t[start:start + T, None] for t in tables)
+        return tuple(t[positions].unsqueeze(2) for t in tables)
 
     def initial_state(self, e: Tensor, generator: torch.Generator | None = None, start: int = 0,
                       positions: Tensor | None = None) -> Tensor:

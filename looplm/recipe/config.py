@@ -131,6 +131,12 @@ class ModelConfig:
     """llama3: wavelengths below rope_original_context / this are kept."""
     rope_original_context: int = applies(when("model.rope_scaling", "llama3"), default=8192)
     """llama3: the context the frequencies were trained for before stretching."""
+    local_rope_base: float = 0.0
+    """The blocks in local_blocks rotate with this RoPE base (no scaling) instead of rope_base: Gemma 3's
+    sliding-window layers (10,000 beside its global layers' 1,000,000). 0 = every block uses rope_base."""
+    local_blocks: tuple[int, ...] = applies(unless("model.local_rope_base", 0.0), default=())
+    """Which blocks use local_rope_base: positions in prelude, then core, then coda order (0-based; an
+    untied core's copies follow their shared block)."""
     activation: Literal["silu", "gelu_tanh"] = "silu"
     """The gated FFN's activation: silu (SwiGLU, Llama/Qwen) or gelu_tanh (GeGLU with tanh-approximated GELU, Gemma)."""
     qkv_bias: bool = False
@@ -199,6 +205,11 @@ class ModelConfig:
         _check(self.attn_scale >= 0 and math.isfinite(self.attn_scale), "model.attn_scale",
                "must be finite and >= 0 (0 = 1/sqrt(head_dim))")
         _check(self.embed_scale > 0 and math.isfinite(self.embed_scale), "model.embed_scale", "must be finite and > 0")
+        _check(self.local_rope_base >= 0 and math.isfinite(self.local_rope_base), "model.local_rope_base",
+               "must be finite and >= 0 (0 = none)")
+        n_blocks = self.n_prelude + self.n_core + self.n_coda
+        _check(all(0 <= b < n_blocks for b in self.local_blocks) and len(set(self.local_blocks)) == len(self.local_blocks),
+               "model.local_blocks", f"must be distinct block positions in 0..{n_blocks - 1} (prelude, core, coda)")
         _check(self.norm_eps > 0, "model.norm_eps", "must be > 0")
         _check(self.init_std > 0, "model.init_std", "must be > 0")
         _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
