@@ -702,10 +702,9 @@ def check_feedback_loss(run: Run) -> CheckResult:
         ce = [F.cross_entropy(o.logits.flatten(0, 1).float(), y.flatten()).item() for o in outs]
     want = ce[0] + fb.later_weight * (ce[1] + ce[2]) / 2
     ok = abs(loss - want) <= 1e-4 * max(1.0, abs(want))
-    why = ""
     return CheckResult(name, ok and len(info.get("loss_by_pass", [])) == 3,
                        f"trainer's loss {loss:.5f} over passes {[round(v, 5) for v in info.get('loss_by_pass', [])]}; "
-                       f"recomputed {ce[0]:.5f} + {fb.later_weight} x mean({ce[1]:.5f}, {ce[2]:.5f}) = {want:.5f}{why}",
+                       f"recomputed {ce[0]:.5f} + {fb.later_weight} x mean({ce[1]:.5f}, {ce[2]:.5f}) = {want:.5f}",
                        MEASURED)
 
 

@@ -129,6 +129,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.cache_sweep:
             raise UserError("--cache-sweep scores language-modelling text, and a task run has none (its --data is "
                             "a JSONL file of prompt/answer lines); evaluate a language-model run")
+        if args.feedback_passes:
+            raise UserError("--feedback-passes scores language-modelling windows; a task run is scored example by "
+                            "example (benchmarks/feedback_probes.py compares prompt modes on tasks)")
         return _eval_task_run(run, rounds, args)
     if run.model.feedback is not None and (args.exit or args.exit_sweep or args.cache_sweep):
         raise UserError("--exit/--exit-sweep/--cache-sweep measure plain decoding; this run has full-bandwidth "

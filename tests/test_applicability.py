@@ -39,7 +39,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "model.moe_experts": [(0, {}), (4, {})],
     "model.rope_scaling": [("none", {}), ("linear", {}), ("llama3", {})],
     "feedback.mode": [("none", {}), ("gate", {}), ("add", {}), ("concat", {})],
-    "model.local_rope_base": [(0.0, {}), (10000.0, {})],
+    "model.local_rope_base": [(0.0, {}), (10000.0, {"model.local_blocks": [0]})],
     "model.mor": [("none", {}), ("token_choice", {"depth.kind": "fixed"}),
                   ("expert_choice", {"depth.kind": "fixed", "depth.rounds": 1, "backward.window": "all"})],
     "optim.schedule": [("cosine", {}), ("wsd", {}), ("constant", {})],

@@ -231,6 +231,14 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     assert set(by) == {"1", "2", "5"} and by["1"] == pytest.approx(report["feedback_val_loss_by_passes"]["1"])
     assert main(["eval", str(tmp_path / "run"), "--cache-sweep"]) == 2          # would measure plain decoding
     assert "full-bandwidth feedback" in capsys.readouterr().err
+    task_run = tmp_path / "task"                                                 # --feedback-passes is not ignored
+    train(tiny_recipe(**{"data.task": "completion", "train.steps": 2, "feedback.mode": "gate", "model.context": 128}),
+          task_run, quiet=True)
+    assert main(["eval", str(task_run), "--feedback-passes", "1,2"]) == 2
+    assert "task run" in capsys.readouterr().err
+    assert "held-out loss by passes" not in (task_run / "report.md").read_text()
+    assert main(["eval", str(tmp_path / "run"), "--cache-sweep"]) == 2
+    assert "full-bandwidth feedback" in capsys.readouterr().err
     # lm-eval's model scores with the prompt mode asked: fused = the second pass's logits over the whole text
     import torch.nn.functional as F
 

@@ -284,3 +284,8 @@ def test_lm_eval_scores_equal_lm_evals_own_hf_model(hf_models, tmp_path, name):
     ours = LoopLM(run=str(run_dir), rounds=1, batch_size=2).loglikelihood(requests)
     assert [g for _, g in ours] == [g for _, g in theirs]
     assert [ll for ll, _ in ours] == pytest.approx([ll for ll, _ in theirs], abs=1e-5)
+
+
+def test_a_local_rope_base_without_local_blocks_is_refused():
+    with pytest.raises(looplm.UserError, match="model.local_rope_base"):
+        looplm.load_recipe("quickstart", {"model.local_rope_base": 10000.0})

@@ -83,6 +83,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.has_bias = bias      # a plain flag: `self.q.bias` is a Module attribute lookup, once per block visit
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         # every attention path (SDPA here, the caches' `sdpa`) uses SDPA's default 1/sqrt(Dh); another
@@ -95,7 +96,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.dh
         qkv = ops.linear(x, self.q.weight, self.k.weight, self.v.weight)
-        if self.q.bias is not None:
+        if self.has_bias:
             qkv = qkv + torch.cat([self.q.bias, self.k.bias, self.v.bias])
         qkv = qkv.view(B, T, H + 2 * Hkv, Dh)
         qk = qkv[:, :, :H + Hkv]

@@ -208,6 +208,8 @@ class ModelConfig:
         _check(self.local_rope_base >= 0 and math.isfinite(self.local_rope_base), "model.local_rope_base",
                "must be finite and >= 0 (0 = none)")
         n_blocks = self.n_prelude + self.n_core + self.n_coda
+        _check(not self.local_rope_base or self.local_blocks, "model.local_rope_base",
+               "names blocks in model.local_blocks that use it (with none it would change nothing)")
         _check(all(0 <= b < n_blocks for b in self.local_blocks) and len(set(self.local_blocks)) == len(self.local_blocks),
                "model.local_blocks", f"must be distinct block positions in 0..{n_blocks - 1} (prelude, core, coda)")
         _check(self.norm_eps > 0, "model.norm_eps", "must be > 0")

@@ -724,8 +724,8 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
             f"{fb['passes_histogram']} (mean {fb['mean_passes']:.3f}, plain pre-training before step "
             f"{recipe.feedback.mix_from_step} included); tokens x passes {fb['token_passes']:,}",
             f"- training loss is the objective: {fb['objective']}",
-            "- held-out loss by passes at the recipe's depth: "
-            + ", ".join(f"{k}: {v:.4f}" for k, v in by.items())])})
+            *(["- held-out loss by passes at the recipe's depth: " + ", ".join(f"{k}: {v:.4f}" for k, v in by.items())]
+              if by else [])])})
     tail = counters.losses[-max(1, len(counters.losses) // 10):]
     return {
         "recipe": recipe.to_dict(),
