@@ -743,12 +743,42 @@ def check_feedback_isolation(run: Run) -> CheckResult:
                        MEASURED)
 
 
+def check_feedback_reorder(run: Run) -> CheckResult:
+    """The carried state moves with its request when the batch is reordered: three rows (fused, soft,
+    fused), the first ends early, the batch compacts (DecodeBatch.compact, as the server does), and each
+    row still decodes what it decodes alone."""
+    from .inference.engine import Engine, SamplingParams
+    name = "feedback_batch_reorder"
+    if run.model.feedback is None:
+        return CheckResult.not_applicable(name, NO_FEEDBACK)
+    engine = Engine.from_run(run, exit=f"fixed:{run.recipe.depth.rounds}")
+    ids = _sample_ids(run, 12)
+    prompts = [ids[0, :5].tolist(), ids[1, :9].tolist(), ids[0, 3:10].tolist()]
+    sp = [SamplingParams(max_new_tokens=n, stop_at_eos=False, prompt_mode=m)
+          for n, m in ((2, "fused"), (6, "soft"), (6, "fused"))]
+    alone = [engine.generate([p], s)[0].tokens for p, s in zip(prompts, sp)]
+    batch = engine.batch(prompts, sp)
+    owner, toks, moved = {0: 0, 1: 1, 2: 2}, {0: [], 1: [], 2: []}, {}
+    while not batch.finished:
+        for ev in batch.step():
+            toks[owner[ev.row]].append(ev.token)
+        step_moved = batch.compact()
+        if step_moved:
+            moved.update({owner[old]: new for old, new in step_moved.items()})
+            owner = {step_moved.get(b, b): r for b, r in owner.items()}
+    got = [toks[i] for i in range(3)]
+    return CheckResult(name, bool(moved) and got == alone,
+                       f"after the first row ended the batch {'compacted (requests moved to rows ' + str(moved) + ')' if moved else 'did NOT compact'}; "
+                       f"every row {'decodes as alone' if got == alone else 'DIFFERS from alone'}", MEASURED)
+
+
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
     check_token_accounting, check_engine_request_reset, check_round_telemetry, check_quantile_thresholds,
     check_cache_policies, check_state_dependency, check_start_state, check_routed_decode,
     check_feedback_shift, check_feedback_start, check_feedback_loss, check_feedback_isolation,
+    check_feedback_reorder,
 ]
 
 

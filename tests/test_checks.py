@@ -21,7 +21,8 @@ from looplm.train.trainer import train
 from conftest import tiny_recipe
 
 NOT_APPLICABLE_WITHOUT_FEEDBACK = {"feedback_shift_by_one", "feedback_start_convention",
-                                   "feedback_pass_loss_composition", "feedback_request_isolation"}
+                                   "feedback_pass_loss_composition", "feedback_request_isolation",
+                                   "feedback_batch_reorder"}
 NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved", "quantile_exit_matches_cumulative_mass",
                                "routed_decode_matches_training", *NOT_APPLICABLE_WITHOUT_FEEDBACK}
 RECORD_CHECKS = {"round_telemetry_present"}  # every other check that runs measures

@@ -172,6 +172,29 @@ class DecodeBatch:
             req.done, req.joining, req.prompt_lp, req.prompt_carry = True, None, None, None
             self._maybe_finish()
 
+    def compact(self) -> dict[int, int] | None:
+        """Move the running rows (joining ones included) to the front, in order, and the free rows
+        after them; None when they are there already, else {old row: new row} of every row that moved.
+        Everything of a row moves with it: its cache entries and pad, its initial-state noise, its
+        sampler row (generator mid-stream), its RequestState (a feedback model's carried top state
+        with it). Rows that finished leave gaps; while the running rows are consecutive a decode step
+        reads them as views of the cache, not copies (`_decode`): the server compacts after a row ends.
+        Row numbers in later events are the new ones."""
+        if not self.started:
+            return None
+        live = [b for b, r in enumerate(self.requests) if not r.done or r.joining is not None]
+        if live == list(range(len(live))):
+            return None
+        order = live + [b for b in range(self.B) if b not in set(live)]
+        with torch.inference_mode():
+            self.cache.reorder(torch.tensor(order))
+            if self.noise is not None:
+                self.noise.copy_(self.noise[torch.tensor(order, device=self.noise.device)])
+            self.sampler.reorder(order)
+        self.requests = [self.requests[b] for b in order]
+        self.stats["compactions"] = self.stats.get("compactions", 0) + 1
+        return {old: new for new, old in enumerate(order) if old != new}
+
     # -- inside ---------------------------------------------------------------------------
     def _run_prompt(self, idx: Tensor, start: int, rows: Tensor | None) -> tuple[Tensor, Tensor | int]:
         """Prompt tokens idx (rows, T) at columns start..start+T: one chunk, or column by column

@@ -313,6 +313,18 @@ class LoopKVCache:
             return per_round[-1]
         return per_round.mean(0)
 
+    def reorder(self, order: Tensor) -> None:
+        """Row b now holds what row order[b] held (a permutation of the rows: the batch compacts its
+        running rows, inference/batch.py). In place, so the slots' views stay the storage's."""
+        order = order.to(self.pad.device)
+        for t in (self.k_prelude, self.v_prelude, self.k_coda, self.v_coda):       # (n, B, H, L, Dh)
+            t.copy_(t[:, order])
+        for t in (self.k_core, self.v_core):                                       # (S, K, B, H, L, Dh)
+            t.copy_(t[:, :, order])
+        for t in (self.pad, self._valid, self.depth):                              # (B,), (B, 1, 1, L), (B, L)
+            t.copy_(t[order])
+        self._pads = self.pad.tolist()
+
     def truncate(self, filled: int) -> None:
         """Forget columns from `filled` on (speculative rollback): no later chunk may read them
         until a chunk writes them again (`begin` refuses one that starts past `filled`)."""

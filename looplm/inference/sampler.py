@@ -184,6 +184,15 @@ class Sampler:
             self._set_bias(b, sp)
         self._update_kinds()
 
+    def reorder(self, order: list[int]) -> None:
+        """Row b now samples for the request row order[b] served (DecodeBatch.compact): its params,
+        generator (mid-stream: the draws continue where they were), seen tokens, counts and bias."""
+        self.plist, self.gens, self._prompts = ([xs[b] for b in order] for xs in (self.plist, self.gens, self._prompts))
+        for name in ("seen", "penalty", "counts", "pres_freq", "bias"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[torch.tensor(order, device=t.device)])
+
     def __call__(self, logits: Tensor, rows: list[int] | None = None) -> Tensor:
         """(B', V) logits of `rows` (default all rows) -> (B',) next tokens."""
         if self.plain:

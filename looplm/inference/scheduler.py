@@ -138,7 +138,12 @@ class Batch:
         try:
             for ev in self.run.step():
                 self.rows[ev.row].send(ev)
+                if ev.finish_reason is not None:
+                    del self.rows[ev.row]
+            moved = self.run.compact() if self.rows else None    # running rows to the front: decode reads views
         except Exception as err:
             self._fail(err)
             return False
+        if moved:
+            self.rows = {moved.get(b, b): r for b, r in self.rows.items()}
         return not self.run.finished

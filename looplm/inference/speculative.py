@@ -74,6 +74,9 @@ class SpeculativeRun:
     def cancel(self, row: int) -> None:
         self.finished = True
 
+    def compact(self) -> None:
+        return None             # one row: nothing to move
+
 
 def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[SamplingParams],
                        deltas: bool) -> Iterator[list[TokenEvent]]:
