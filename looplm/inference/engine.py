@@ -58,6 +58,7 @@ from ..model.looped import initial_noise_table
 from .sampler import SamplingParams, TokenEvent, is_int, positions_run
 from .batch import DecodeBatch
 from .speculative import SpeculativeRun, parse_speculative
+from .recirculation import Recirculation, recirculated_chunk
 
 __all__ = ["ChunkResult", "Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
 
@@ -83,6 +84,8 @@ class GenerationConfig:
     """Exit policies never stop before this round."""
     exit_in_prefill: bool = False
     """Let prompt tokens exit early too (the prompt then runs token by token)."""
+    recirculation: Recirculation | None = None
+    """Refine each position's history with a deeper residual (recirculation.py); None: the model as it is."""
 
 
 class ChunkResult(NamedTuple):
@@ -165,6 +168,8 @@ class Engine:
                 raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
         if self.feedback:
             self._check_feedback()
+        if config.recirculation is not None:
+            self._check_recirculation(config.recirculation)
         self.last_stats: dict[str, Any] = {}
         self._fast: PackedOps | None = None
 
@@ -266,6 +271,21 @@ class Engine:
         if self.speculative:
             raise UserError("--speculative: not available for a feedback model yet (its carried state would have to "
                             "roll back with the cache)")
+
+    def _check_recirculation(self, rc: Recirculation) -> None:
+        """What recirculation runs with: its visits exist; every position runs every visit once per pass (no
+        exits, no routing), one stream of state per position (no feedback), each slot a column of its own
+        (full caches), no drafts to roll back (no speculation). Refused, not ignored."""
+        rc.check(self.cfg, self.rounds)
+        why = ("an early-exit policy (visits would differ per token)" if self.adaptive or self.config.exit_in_prefill
+               else "a Mixture-of-Recursions router" if getattr(self.model, "mor_router", None) is not None
+               else "full-bandwidth feedback" if self.feedback
+               else "--speculative" if self.speculative
+               else "a shared cache policy (each visit's refined entries need their own slot: --prefill-cache full "
+                    "--decode-cache full)" if (self.config.prefill_cache, self.config.decode_cache) != ("full", "full")
+               else None)
+        if why:
+            raise UserError(f"recirculation: not available with {why}")
 
     @staticmethod
     def _routed_config(config: GenerationConfig, model: Any) -> GenerationConfig:
@@ -370,7 +390,26 @@ class Engine:
                   may_exit: Tensor | None = None, work: DecodeWork | None = None,
                   work_phase: str | None = None, feedback: tuple[Tensor, Tensor] | None = None,
                   tops: list[Tensor] | None = None) -> ChunkResult:
-        """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`).
+        """Run tokens idx (B, T) at cache columns [start, start+T) of `cache` (from `new_cache`): `chunk`,
+        or under recirculation (config.recirculation) its schedule of chunks (inference/recirculation.py)."""
+        rc = self.config.recirculation
+        if rc is None:
+            return self.chunk(idx, start, cache, phase=phase, rounds=rounds, noise=noise, all_logits=all_logits,
+                              commit=commit, rows=rows, trace=trace, may_exit=may_exit, work=work,
+                              work_phase=work_phase, feedback=feedback, tops=tops)
+        if rounds is not None or not commit or trace is not None or may_exit is not None or feedback or tops is not None:
+            raise ValueError("recirculation runs full-depth committed chunks (Engine._check_recirculation)")
+        return recirculated_chunk(self, rc, idx, start, cache, phase=phase, noise=noise, all_logits=all_logits,
+                                  rows=rows, work=work, work_phase=work_phase)
+
+    def chunk(self, idx: Tensor, start: int, cache: LoopKVCache, *, phase: str = "decode",
+              rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,
+              commit: bool = True, rows: Tensor | None = None,
+              trace: list[tuple[Tensor, Tensor]] | None = None,
+              may_exit: Tensor | None = None, work: DecodeWork | None = None,
+              work_phase: str | None = None, feedback: tuple[Tensor, Tensor] | None = None,
+              tops: list[Tensor] | None = None) -> ChunkResult:
+        """One chunk: tokens idx (B, T) at cache columns [start, start+T) of `cache`.
 
         Returns a ChunkResult (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at
         the last column; rounds_used an int, or (B,) when the exit policy decided per row (decode

@@ -12,6 +12,8 @@ products. Shapes: x (B, T, d); q (B, H, T, Dh); k, v (B, Hkv, T, Dh).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,10 +62,24 @@ class Ops:
     the tests compare every backend against; `kernels.PackedOps` overrides `linear` with pre-laid-out
     copies of the same weights for CPU decoding."""
 
+    tap: Any = None
+    """None, or `tap(slot, x) -> x`: the residual stream after every block visit passes through it, named by
+    the visit's cache slot (("prelude", 0, i), ("core", r, i), ("coda", r, i)); recirculation reads and replaces
+    it there (inference/recirculation.py, under `tapping`). The model's own pieces are unchanged without one."""
+
     def linear(self, x: Tensor, *weights: Tensor) -> Tensor:
         """x (..., in) @ [W1; W2; ...]^T -> (..., out1 + out2 + ...): weights that read the same input
         (q/k/v, gate/up) are one product."""
         return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights))
+
+    @contextmanager
+    def tapping(self, tap: Any) -> Iterator[None]:
+        """Run the block visits inside through `tap` (see `tap`); the previous one is restored after."""
+        before, self.tap = self.tap, tap
+        try:
+            yield
+        finally:
+            self.tap = before
 
 
 EAGER = Ops()

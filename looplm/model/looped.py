@@ -222,6 +222,8 @@ class LoopedLM(nn.Module):
         x = self.inject(s, e, ops)
         for i, block in enumerate(blocks):
             x = block(x, rope, cache, ("core", r, i), ops)   # a module call: FSDP's units hook here
+            if ops.tap is not None:
+                x = ops.tap(("core", r, i), x)
         return rms_norm(self.state_norm, x) if self.state_norm is not None else x
 
     def routed_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any, weight: Tensor,
@@ -266,6 +268,8 @@ class LoopedLM(nn.Module):
         round -> the top state after the final norm (feedback's h)."""
         for i, block in enumerate(self.coda):
             s = block(s, rope, cache, ("coda", r, i), ops)
+            if ops.tap is not None:
+                s = ops.tap(("coda", r, i), s)
         h = s[:, -1] if last_only else s
         if tops is None:
             return self.head_logits(h, ops)
@@ -307,6 +311,8 @@ class LoopedLM(nn.Module):
             x = self.feedback(x, *feedback, generator=generator)
         for i, block in enumerate(self.prelude):
             x = block(x, rope, cache, ("prelude", 0, i), ops)
+            if ops.tap is not None:
+                x = ops.tap(("prelude", 0, i), x)
         return x
 
     # -- forward --------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""Recirculation in a frozen model: a deeper residual mixed into an earlier block visit, and the
+refined history written back before later positions read it.
+
+For each position t, in this order (the serial schedule, exact):
+
+    1. the ordinary pass at t (the cache as it is): its logits are t's readout, and the residual
+       stream after visit s (the source) and visit d < s (the destination) is captured;
+    2. mix, in float32:  h' = beta_t * h_d + alpha_t * (|h_d| / max(|h_s|, eps)) * h_s
+       (the source scaled to the destination's norm, per token; alpha_t = min(t / ramp, 1) * alpha,
+       beta_t = 1 - alpha_t ("complement") or 1 ("one"));
+    3. the pass at t again with h' in place of h_d: the visits after d recompute, and their keys and
+       values overwrite t's entries in the cache (visits up to d recompute what they held), so every
+       later position attends to t's refined history. Its logits are not read: the readout is pass 1's.
+
+Only t's own states are mixed into t (the withdrawn public result leaked t's deep state into t + 1).
+alpha = 0 with beta = 1 skips step 3: the base model exactly. Each position costs two passes, the
+prompt's too — exact refinement is serial in positions; batched requests are serial each, together
+(`Engine.run_chunk` with many rows), which is the faster exact schedule. "blockwise" runs a whole
+chunk (a prompt) through both passes at once: position t's pass 1 then reads unrefined history of
+the chunk, so it is an approximation, named as one (its loss gap is measured, evaluation/recirculation.py).
+
+Visits are indexed once (model/visits.py); both taps find theirs by the cache slot a block call
+carries, through the model's own pieces (`Ops.tap`), on the engine's kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+from ..model.visits import visit_index, visit_plan
+
+if TYPE_CHECKING:
+    from .cache import LoopKVCache
+    from .engine import ChunkResult, Engine
+
+
+@dataclass(frozen=True)
+class Recirculation:
+    """One recirculation setting (validated here; the visits against the model by `check`)."""
+
+    source: int
+    """s: the visit whose output is mixed in."""
+    dest: int
+    """d < s: the visit whose output it is mixed into."""
+    alpha: float = 0.15
+    """The source's weight (after norm matching); the seeds' fixed setting is about 0.15."""
+    beta: Literal["complement", "one"] = "complement"
+    """The destination's weight: 1 - alpha_t (convex) or 1 (residual addition)."""
+    ramp: int = 0
+    """alpha_t = min(t / ramp, 1) * alpha at position t (0: alpha from the first position)."""
+    eps: float = 1e-6
+    """The norm clamp: a source of norm below eps is scaled by |h_d| / eps, never divided by zero."""
+    schedule: Literal["serial", "blockwise"] = "serial"
+    """serial: exact, position by position; blockwise: each chunk (a prompt) refined at once, an approximation."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.source, int) and isinstance(self.dest, int)) or not 0 <= self.dest < self.source:
+            raise UserError(f"recirculation --s {self.source} --d {self.dest}: needs 0 <= d < s (visits; "
+                            "looplm recirculate RUN --visits lists them)")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise UserError(f"recirculation --alpha {self.alpha}: must lie in [0, 1]")
+        if self.beta not in ("complement", "one"):
+            raise UserError(f"recirculation --beta {self.beta!r}: complement (1 - alpha) or one")
+        if not (isinstance(self.ramp, int) and self.ramp >= 0):
+            raise UserError(f"recirculation --ramp {self.ramp!r}: an integer >= 0")
+        if not self.eps > 0:
+            raise UserError(f"recirculation eps {self.eps}: must be > 0")
+        if self.schedule not in ("serial", "blockwise"):
+            raise UserError(f"recirculation --schedule {self.schedule!r}: serial or blockwise")
+
+    def check(self, cfg: Any, rounds: int) -> None:
+        """The visits exist in a forward at `rounds` rounds."""
+        n = len(visit_plan(cfg, rounds))
+        if self.source >= n:
+            raise UserError(f"recirculation --s {self.source}: this model runs visits 0..{n - 1} at {rounds} rounds "
+                            f"(--d in 0..{n - 2}, --s in d+1..{n - 1})")
+
+    def weights(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(alpha_t, beta_t), each (B, T, 1) float32, at positions (B, T)."""
+        a = torch.full(positions.shape, self.alpha, dtype=torch.float32, device=positions.device)
+        if self.ramp:
+            a = a * (positions.float() / self.ramp).clamp(max=1.0)
+        b = 1.0 - a if self.beta == "complement" else torch.ones_like(a)
+        return a.unsqueeze(-1), b.unsqueeze(-1)
+
+
+def mix(h_dst: Tensor, h_src: Tensor, alpha: Tensor | float, beta: Tensor | float, eps: float = 1e-6) -> Tensor:
+    """beta * h_dst + alpha * h_src scaled to h_dst's norm (per token, over the last dimension), in float32;
+    a source norm below eps is clamped to eps. Returns h_dst's dtype."""
+    d, s = h_dst.float(), h_src.float()
+    scaled = s * (d.norm(dim=-1, keepdim=True) / s.norm(dim=-1, keepdim=True).clamp_min(eps))
+    return (beta * d + alpha * scaled).to(h_dst.dtype)
+
+
+def recirculated_chunk(engine: "Engine", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
+                       phase: str, noise: Tensor | None, all_logits: bool, rows: Tensor | None,
+                       work: Any, work_phase: str | None) -> "ChunkResult":
+    """`Engine.run_chunk` under recirculation (see the module docstring): tokens idx (B, T) at columns
+    start..start+T, column by column (serial) or whole (blockwise); the logits are the ordinary passes'."""
+    from .engine import ChunkResult
+    k, cfg, R = engine.kernels(), engine.cfg, engine.rounds
+    s_at, d_at = rc.source, rc.dest
+    T = idx.shape[1]
+    pad = cache.pad if rows is None else cache.pad[rows]                                      # (B,)
+    spans = [(c, c + 1) for c in range(T)] if rc.schedule == "serial" else [(0, T)]
+    out: list[Tensor] = []
+    used: Tensor | int = R
+    for a, b in spans:
+        x, col = idx[:, a:b], start + a
+        held: dict[int, Tensor] = {}
+
+        def capture(slot: tuple, h: Tensor) -> Tensor:
+            v = visit_index(slot, cfg, R)
+            if v == s_at or v == d_at:
+                held[v] = h                                                                  # (B, T', d)
+            return h
+
+        with k.tapping(capture):
+            logits, used = engine.chunk(x, col, cache, phase=phase, noise=noise, all_logits=all_logits, rows=rows,
+                                        work=work, work_phase=work_phase)
+        out.append(logits)
+        positions = (col + torch.arange(b - a, device=pad.device))[None, :] - pad[:, None]    # (B, T')
+        alpha, beta = rc.weights(positions.clamp_min(0))
+        if not bool(alpha.any()) and not bool((beta != 1).any()):
+            continue                                     # the identity: nothing to refine
+        refined = mix(held[d_at], held[s_at], alpha, beta, rc.eps)
+
+        def replace(slot: tuple, h: Tensor) -> Tensor:
+            return refined if visit_index(slot, cfg, R) == d_at else h
+
+        with k.tapping(replace):          # the same column again: t's entries after d become the refined ones
+            engine.chunk(x, col, cache, phase=phase, noise=noise, rows=rows, work=work, work_phase=work_phase)
+    if not all_logits:
+        return ChunkResult(out[-1], used)
+    return ChunkResult(torch.cat(out, 1), used)
