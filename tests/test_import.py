@@ -289,3 +289,47 @@ def test_lm_eval_scores_equal_lm_evals_own_hf_model(hf_models, tmp_path, name):
 def test_a_local_rope_base_without_local_blocks_is_refused():
     with pytest.raises(looplm.UserError, match="model.local_rope_base"):
         looplm.load_recipe("quickstart", {"model.local_rope_base": 10000.0})
+
+
+def _hf_recirculated(hf, ids: torch.Tensor, s: int, d: int, alpha: float) -> torch.Tensor:
+    """The serial schedule written with the HF model and forward hooks, no cache: position t's logits come
+    from the whole prefix with layer d's output at every earlier position replaced by its refined value (so
+    the layers after d read refined history, as the cache would hold it); t's own mix is then taken from
+    t's layer-d and layer-s outputs of that same pass."""
+    from looplm.inference.recirculation import mix
+    layers, refined, out = hf.model.layers, [], []
+    for t in range(ids.shape[1]):
+        seen = {}
+
+        def at(i):
+            def hook(_mod, _args, output):
+                h = output[0] if isinstance(output, tuple) else output
+                if i == d and refined:
+                    h = h.clone()
+                    h[:, :t] = torch.stack(refined, 1)
+                seen[i] = h
+                return (h, *output[1:]) if isinstance(output, tuple) else h
+            return hook
+        hooks = [layers[i].register_forward_hook(at(i)) for i in (d, s)]
+        try:
+            with torch.no_grad():
+                out.append(hf(ids[:, :t + 1]).logits[:, t])
+        finally:
+            for h in hooks:
+                h.remove()
+        refined.append(mix(seen[d][:, t], seen[s][:, t], alpha, 1 - alpha))
+    return torch.stack(out, 1)
+
+
+def test_recirculation_on_an_imported_llama_equals_hf_with_hooks(hf_models, tmp_path):
+    from looplm.inference import Engine, GenerationConfig
+    from looplm.inference.recirculation import Recirculation
+    hf, folder = hf_models["llama"]
+    run = looplm.load_run(import_hf(folder, tmp_path / "run"))
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(2))
+    eng = Engine.from_run(run, recirculation=Recirculation(source=3, dest=1, alpha=0.3))
+    with torch.inference_mode():
+        got = eng.run_chunk(ids, 0, eng.new_cache(1, 10), phase="prefill", all_logits=True).logits
+    want = _hf_recirculated(hf, ids, s=3, d=1, alpha=0.3)
+    assert (got - want).abs().max() < 1e-4
+    assert (want - hf(ids).logits).abs().max() > 1e-3            # it refined something

@@ -115,7 +115,11 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
     torch.manual_seed(0)
     ov = {**BENCH_S, **(QUICK if spec["quick"] else {})}
     model = build_model(load_recipe("quickstart", overrides=ov)).eval().to(spec.get("device", "cpu"))
-    cfg = GenerationConfig(**spec.get("config", {}))
+    given = dict(spec.get("config", {}))
+    if "recirculation" in given:          # JSON carries its fields; the engine takes the validated config
+        from ..inference.recirculation import Recirculation
+        given["recirculation"] = Recirculation(**given["recirculation"])
+    cfg = GenerationConfig(**given)
     engine = Engine(model, None, cfg)
     prompts = _prompts(spec["batch"], model.cfg.vocab_size).tolist()
     params = SamplingParams(max_new_tokens=spec["new_tokens"], stop_at_eos=False)
@@ -138,6 +142,8 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
         extra = {"exit": str(engine.policy), "prefill_cache": cfg.prefill_cache, "decode_cache": cfg.decode_cache,
                  "mean_rounds": statistics.mean(rounds), "cache_bytes": last["cache_bytes"]["total"],
                  "decode_flops_per_token": statistics.mean(flops)}
+        if cfg.recirculation is not None:
+            extra["recirculation"] = {k: getattr(cfg.recirculation, k) for k in ("source", "dest", "alpha", "schedule")}
         if cfg.speculative:
             extra["speculative"] = cfg.speculative
             extra["acceptance_rate"] = last["speculative"]["acceptance_rate"]
@@ -231,6 +237,11 @@ def _row_specs(new_tokens: int, quick: bool, peers: bool, device: str = "cpu") -
             specs.append({"engine": "looplm", "batch": 1, "label": f"exit {ex}", "config": {"exit": ex}})
         specs.append({"engine": "looplm", "batch": 1, "label": "self-speculative 1:4",
                       "config": {"speculative": "1:4"}})
+        # recirculation (inference/recirculation.py): the last core visit into the first, two passes per
+        # position; the exact schedule's prompt runs column by column, the blockwise one as one chunk
+        for batch, schedule in ((1, "serial"), (BATCH, "serial"), (1, "blockwise")):
+            specs.append({"engine": "looplm", "batch": batch, "label": f"recirculation 6->1 alpha 0.15, {schedule}",
+                          "config": {"recirculation": {"source": 6, "dest": 1, "alpha": 0.15, "schedule": schedule}}})
     if peers:
         specs += [{"engine": "hf-llama", "batch": 1}, {"engine": "hf-llama", "batch": BATCH},
                   {"engine": "x-transformers", "batch": 1}]
