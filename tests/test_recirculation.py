@@ -4,6 +4,8 @@ bugs it must not have (stale history, token t's state in t + 1's mix), each show
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,8 +121,8 @@ def test_a_stale_cache_and_a_cross_token_leak_each_fail_the_hand_loop(monkeypatc
     assert (engine_logits(model, rc, x) - want).abs().max() < 1e-4
     with monkeypatch.context() as mp:      # the refinement pass never reaches the cache: later positions read stale entries
         real = Engine.chunk
-        mp.setattr(Engine, "chunk", lambda self, *a, **k: None if self.kernels().tap.__name__ == "replace"
-                   else real(self, *a, **k))
+        mp.setattr(Engine, "chunk", lambda self, *a, **k: SimpleNamespace(logits=None)
+                   if self.kernels().tap.__name__ == "replace" else real(self, *a, **k))
         assert (engine_logits(model, rc, x) - want).abs().max() > 1e-3
     with monkeypatch.context() as mp:      # the withdrawn bug: the previous position's deep state mixed into this one
         prev = {}
@@ -150,3 +152,29 @@ def test_settings_are_refused_where_they_cannot_apply():
         Engine(model, None, GenerationConfig(exit="entropy:1.0", recirculation=Recirculation(source=3, dest=1)))
     with pytest.raises(looplm.UserError, match="cache policy"):
         Engine(model, None, GenerationConfig(decode_cache="last", recirculation=Recirculation(source=3, dest=1)))
+
+
+def test_the_eager_schedule_equals_the_engines_and_a_trained_mixer_leaves_the_model_bit_identical():
+    """One schedule, two runners: the differentiable eager passes equal the engine's chunks; the mixer trains
+    through the cache writes (its loss falls, gradient reaches it only through refined history) while every
+    model weight stays bit-identical."""
+    from looplm.model.mixer import AdaptiveMixer
+    from looplm.train.mixer import recirculated_logits, train_mixer
+    model, x = build(LOOPED), ids()
+    rc = Recirculation(source=3, dest=1, alpha=0.4, ramp=3)
+    with torch.no_grad():
+        eager = recirculated_logits(model, rc, x)[0]
+    assert (eager - engine_logits(model, rc, x)).abs().max() < 1e-4
+    d = model.cfg.d_model
+    assert AdaptiveMixer(d).matrix_weights() == 5 * d * d
+    assert [AdaptiveMixer(d, k).matrix_weights() for k in ("conditional_scalar", "constant_vector",
+                                                            "constant_scalar")] == [3 * d * d + 2 * d, 0, 0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    windows = torch.randint(0, 256, (8, 9), generator=torch.Generator().manual_seed(3))
+    windows[:, 4:] = windows[:, :5]                   # a repeat: refined history can help predict it
+    mixer, rec = train_mixer(model, rc, windows, kind="constant_scalar", steps=30, batch=8, lr=0.1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert rec["losses"][-1] < rec["losses"][0]
+    a, b = mixer(torch.zeros(1, d), torch.zeros(1, d))
+    assert not torch.allclose(a, torch.tensor(0.1)) or not torch.allclose(b, torch.tensor(0.9))

@@ -168,6 +168,7 @@ class Engine:
                 raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
         if self.feedback:
             self._check_feedback()
+        self.mixer: Any = None         # recirculation's learned coefficients (None: its fixed alpha, beta)
         if config.recirculation is not None:
             self._check_recirculation(config.recirculation)
         self.last_stats: dict[str, Any] = {}

@@ -26,6 +26,7 @@ carries, through the model's own pieces (`Ops.tap`), on the engine's kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -97,44 +98,60 @@ def mix(h_dst: Tensor, h_src: Tensor, alpha: Tensor | float, beta: Tensor | floa
     return (beta * d + alpha * scaled).to(h_dst.dtype)
 
 
-def recirculated_chunk(engine: "Engine", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
-                       phase: str, noise: Tensor | None, all_logits: bool, rows: Tensor | None,
-                       work: Any, work_phase: str | None) -> "ChunkResult":
-    """`Engine.run_chunk` under recirculation (see the module docstring): tokens idx (B, T) at columns
-    start..start+T, column by column (serial) or whole (blockwise); the logits are the ordinary passes'."""
-    from .engine import ChunkResult
-    k, cfg, R = engine.kernels(), engine.cfg, engine.rounds
+def schedule(run_pass: Callable[[Tensor, int, Any], Tensor], rc: Recirculation, cfg: Any, rounds: int,
+             idx: Tensor, start: int, pad: Tensor, mixer: Any = None) -> list[Tensor]:
+    """The schedule, whatever runs the passes (the module docstring's steps 1-3): tokens idx (B, T) at
+    columns start..start+T, rows starting at columns `pad` (B,). `run_pass(x, col, tap)` runs tokens x at
+    column col through the model with `tap` on its block visits, writing their cache entries, and returns
+    the logits (B, T', V) or (B, V). Returns the ordinary passes' logits, one entry per span. The engine's
+    chunks run it (`recirculated_chunk`), and so does the eager, differentiable pass the adaptive mixer
+    trains through (`EagerPasses`). mixer: None (the fixed alpha, beta) or `mixer(h_dst, h_src)` -> (alpha,
+    beta), the learned coefficients (ramped like alpha)."""
     s_at, d_at = rc.source, rc.dest
     T = idx.shape[1]
-    pad = cache.pad if rows is None else cache.pad[rows]                                      # (B,)
     spans = [(c, c + 1) for c in range(T)] if rc.schedule == "serial" else [(0, T)]
     out: list[Tensor] = []
-    used: Tensor | int = R
     for a, b in spans:
         x, col = idx[:, a:b], start + a
         held: dict[int, Tensor] = {}
 
         def capture(slot: tuple, h: Tensor) -> Tensor:
-            v = visit_index(slot, cfg, R)
+            v = visit_index(slot, cfg, rounds)
             if v == s_at or v == d_at:
                 held[v] = h                                                                  # (B, T', d)
             return h
 
-        with k.tapping(capture):
-            logits, used = engine.chunk(x, col, cache, phase=phase, noise=noise, all_logits=all_logits, rows=rows,
-                                        work=work, work_phase=work_phase)
-        out.append(logits)
+        out.append(run_pass(x, col, capture))
         positions = (col + torch.arange(b - a, device=pad.device))[None, :] - pad[:, None]    # (B, T')
         alpha, beta = rc.weights(positions.clamp_min(0))
-        if not bool(alpha.any()) and not bool((beta != 1).any()):
+        if mixer is not None:                       # learned coefficients, ramped as the fixed alpha is
+            ramp = alpha / rc.alpha if rc.alpha else torch.ones_like(alpha)
+            alpha, beta = mixer(held[d_at], held[s_at])
+            alpha = alpha * ramp
+        elif not bool(alpha.any()) and not bool((beta != 1).any()):
             continue                                     # the identity: nothing to refine
         refined = mix(held[d_at], held[s_at], alpha, beta, rc.eps)
 
         def replace(slot: tuple, h: Tensor) -> Tensor:
-            return refined if visit_index(slot, cfg, R) == d_at else h
+            return refined if visit_index(slot, cfg, rounds) == d_at else h
 
-        with k.tapping(replace):          # the same column again: t's entries after d become the refined ones
-            engine.chunk(x, col, cache, phase=phase, noise=noise, rows=rows, work=work, work_phase=work_phase)
-    if not all_logits:
-        return ChunkResult(out[-1], used)
-    return ChunkResult(torch.cat(out, 1), used)
+        run_pass(x, col, replace)         # the same column again: t's entries after d become the refined ones
+    return out
+
+
+def recirculated_chunk(engine: "Engine", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
+                       phase: str, noise: Tensor | None, all_logits: bool, rows: Tensor | None,
+                       work: Any, work_phase: str | None) -> "ChunkResult":
+    """`Engine.run_chunk` under recirculation: `schedule` over the engine's chunks (serial: column by column;
+    blockwise: whole); the logits are the ordinary passes'."""
+    from .engine import ChunkResult
+    k, R = engine.kernels(), engine.rounds
+
+    def run_pass(x: Tensor, col: int, tap: Any) -> Tensor:
+        with k.tapping(tap):
+            return engine.chunk(x, col, cache, phase=phase, noise=noise, all_logits=all_logits, rows=rows,
+                                work=work, work_phase=work_phase).logits
+
+    pad = cache.pad if rows is None else cache.pad[rows]                                      # (B,)
+    out = schedule(run_pass, rc, engine.cfg, R, idx, start, pad, engine.mixer)
+    return ChunkResult(torch.cat(out, 1) if all_logits else out[-1], R)
