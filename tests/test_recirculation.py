@@ -178,3 +178,24 @@ def test_the_eager_schedule_equals_the_engines_and_a_trained_mixer_leaves_the_mo
     assert rec["losses"][-1] < rec["losses"][0]
     a, b = mixer(torch.zeros(1, d), torch.zeros(1, d))
     assert not torch.allclose(a, torch.tensor(0.1)) or not torch.allclose(b, torch.tensor(0.9))
+
+
+def test_a_saved_mixer_drives_the_engine_as_it_drove_training(tmp_path):
+    from looplm.model.mixer import AdaptiveMixer, save_mixer
+    from looplm.train.mixer import recirculated_logits
+    model, x = build(LOOPED), ids()
+    torch.manual_seed(5)
+    mixer = AdaptiveMixer(model.cfg.d_model, "conditional_vector")
+    with torch.no_grad():
+        mixer.net[-1].weight.normal_(0, 0.5)           # away from the initial constant output
+    save_mixer(mixer, tmp_path / "m.safetensors")
+    rc = Recirculation(source=3, dest=1, alpha=0.4, mixer=str(tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        want = recirculated_logits(model, rc, x, mixer)[0]
+    got = engine_logits(model, rc, x)
+    assert (got - want).abs().max() < 1e-4
+    assert (got - engine_logits(model, Recirculation(source=3, dest=1, alpha=0.4), x)).abs().max() > 1e-3
+    with pytest.raises(looplm.UserError, match="not a mixer for this model"):
+        save_mixer(AdaptiveMixer(8), tmp_path / "small.safetensors")
+        Engine(model, None, GenerationConfig(recirculation=Recirculation(source=3, dest=1,
+                                                                         mixer=str(tmp_path / "small.safetensors"))))

@@ -278,6 +278,9 @@ class Engine:
         exits, no routing), one stream of state per position (no feedback), each slot a column of its own
         (full caches), no drafts to roll back (no speculation). Refused, not ignored."""
         rc.check(self.cfg, self.rounds)
+        if rc.mixer is not None:
+            from ..model.mixer import load_mixer
+            self.mixer = load_mixer(rc.mixer, self.cfg.d_model).to(next(self.model.parameters()).device)
         why = ("an early-exit policy (visits would differ per token)" if self.adaptive or self.config.exit_in_prefill
                else "a Mixture-of-Recursions router" if getattr(self.model, "mor_router", None) is not None
                else "full-bandwidth feedback" if self.feedback

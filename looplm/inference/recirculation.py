@@ -58,6 +58,9 @@ class Recirculation:
     """The norm clamp: a source of norm below eps is scaled by |h_d| / eps, never divided by zero."""
     schedule: Literal["serial", "blockwise"] = "serial"
     """serial: exact, position by position; blockwise: each chunk (a prompt) refined at once, an approximation."""
+    mixer: str | None = None
+    """A trained adaptive mixer (model/mixer.py, safetensors): its alpha, beta replace the fixed ones
+    (alpha's ramp still applies)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.source, int) and isinstance(self.dest, int)) or not 0 <= self.dest < self.source:

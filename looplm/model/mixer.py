@@ -15,7 +15,9 @@ the sigmoid, not tied to sum to one. The network reads [h_src; h_dst], the state
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -56,3 +58,25 @@ class AdaptiveMixer(nn.Module):
     def matrix_weights(self) -> int:
         """Weights in its matrices (the seeds' ~5 d^2 for conditional_vector): biases and norms left out."""
         return sum(p.numel() for p in self.parameters() if p.dim() == 2)
+
+
+def save_mixer(mixer: AdaptiveMixer, path: Any, record: dict[str, Any] | None = None) -> None:
+    """The mixer's weights as safetensors, its kind and width (and a training record) in the metadata."""
+    from safetensors.torch import save_file
+    meta = {"kind": mixer.kind, "d_model": str(mixer.d), "record": json.dumps(record or {})}
+    save_file({k: v.detach().contiguous().cpu() for k, v in mixer.state_dict().items()}, str(path), metadata=meta)
+
+
+def load_mixer(path: Any, d: int) -> AdaptiveMixer:
+    """A mixer saved by `save_mixer` (safetensors: no pickles), checked against the model's width d."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from ..errors import UserError
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("kind") not in KINDS or meta.get("d_model") != str(d):
+        raise UserError(f"recirculation mixer {path}: kind {meta.get('kind')!r}, width {meta.get('d_model')}: not a "
+                        f"mixer for this model (width {d})")
+    mixer = AdaptiveMixer(d, meta["kind"])
+    mixer.load_state_dict(load_file(str(path)))
+    return mixer.eval()
