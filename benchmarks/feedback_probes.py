@@ -7,7 +7,8 @@ For each task the built-in `feedback` recipe is trained on it (plain for the fir
 then the pass mixture), into a temporary folder. Then, on --n held-out examples at one difficulty:
 - accuracy: greedy answers decoded by the cached engine in each prompt mode — standard (no
   feedback), soft (the prompt read plainly, feedback from its end) and fused (one extra feedback
-  prefill pass) — exact match against the task's answer;
+  prefill pass) — exact match against the task's answer (evaluation/tasks.py `prompt_mode_accuracy`,
+  what `looplm eval RUN --prompt-mode standard,soft,fused` reports);
 - probes: a linear probe of the answer's first character from the loop state at the last prompt
   position after each round (evaluation/probes.py: fit on one half, tested on the other), from the
   plain pass and from the feedback pass (inputs fused with the plain pass's shifted top states).
@@ -21,17 +22,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-
-def answers(engine, tok, examples, mode: str) -> float:
-    from looplm.data.tasks import ANSWER_END, SEPARATOR
-    from looplm.inference import SamplingParams
-    prompts = [tok.encode(ex.prompt + SEPARATOR) for ex in examples]
-    sp = SamplingParams(max_new_tokens=16, stop=(ANSWER_END,), prompt_mode=mode)
-    got = []
-    for i in range(0, len(prompts), 32):
-        got += [c.text for c in engine.generate(prompts[i:i + 32], sp)]
-    return sum(g == ex.answer for g, ex in zip(got, examples)) / len(examples)
 
 
 @torch.no_grad()
@@ -60,7 +50,7 @@ def main() -> None:
     import looplm
     from looplm.data.taskdata import TaskSource
     from looplm.evaluation.probes import answer_target, probe_by_round
-    from looplm.inference import Engine
+    from looplm.evaluation.tasks import prompt_mode_accuracy
     from looplm.train.trainer import train
 
     tmp = tempfile.TemporaryDirectory(prefix="feedback-probes-")
@@ -73,8 +63,10 @@ def main() -> None:
         run = looplm.load_run(out)
         R = run.recipe.depth.rounds
         examples = TaskSource(run.recipe).eval_sets(args.n, levels=[args.difficulty])[args.difficulty]
-        engine = Engine.from_run(run, exit=f"fixed:{R}")
-        acc = {m: answers(engine, run.tokenizer, examples, m) for m in ("standard", "soft", "fused")}
+        # the same scoring as `looplm eval RUN --prompt-mode standard,soft,fused`
+        acc = {m: row[args.difficulty] for m, row in prompt_mode_accuracy(
+            run.model, run.tokenizer, {args.difficulty: examples}, ["standard", "soft", "fused"], R,
+            separator=run.recipe.data.separator).items()}
         probes = {fed: probe_by_round(states(run.model, run.tokenizer, examples, R, fed), examples, answer_target)
                   for fed in (False, True)}
         rows.append((task, acc, probes))

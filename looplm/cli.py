@@ -32,6 +32,19 @@ def _rounds_arg(text: str, flag: str = "--rounds") -> list[int]:
     return rounds
 
 
+def _prompt_modes_arg(text: str, run: Any) -> list[str]:
+    """eval --prompt-mode MODE[,MODE...]: the modes in the order given, each one the run's model has
+    (Engine.prompt_mode's refusal, generate's), checked before any work."""
+    from .evaluation.tasks import answer_engine
+    from .inference.sampler import PROMPT_MODES
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not modes or any(m not in PROMPT_MODES for m in modes):
+        raise UserError(f"--prompt-mode {text!r}: expected {', '.join(PROMPT_MODES)} or a comma-separated list of "
+                        f"them, e.g. standard,soft,fused")
+    answer_engine(run.model, run.tokenizer, modes=modes)
+    return modes
+
+
 def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
     print(json.dumps(obj) if as_json else text)
 
@@ -131,8 +144,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
                             "a JSONL file of prompt/answer lines); evaluate a language-model run")
         if args.feedback_passes:
             raise UserError("--feedback-passes scores language-modelling windows; a task run is scored example by "
-                            "example (benchmarks/feedback_probes.py compares prompt modes on tasks)")
+                            "example (--prompt-mode standard,soft,fused compares its answers by prompt mode)")
         return _eval_task_run(run, rounds, args)
+    if args.prompt_mode:
+        _prompt_modes_arg(args.prompt_mode, run)        # a mode the model lacks: refused as generate refuses it
+        raise UserError("--prompt-mode decodes a task run's answers; a language-model run is scored teacher-forced, "
+                        "where the loss under a prompt mode is the K-pass loss: use --feedback-passes (standard = "
+                        "1 pass, fused = 2 passes)")
     if run.model.feedback is not None and (args.exit or args.exit_sweep or args.cache_sweep):
         raise UserError("--exit/--exit-sweep/--cache-sweep measure plain decoding; this run has full-bandwidth "
                         "feedback (feedback.mode), whose decoding carries each position's top state: `looplm eval` "
@@ -195,6 +213,7 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
     from .data.taskdata import TaskSource, eval_file_sets
     from .evaluation.tasks import markdown_table, score_task_sets
     recipe = run.recipe
+    modes = _prompt_modes_arg(args.prompt_mode, run) if args.prompt_mode else []     # refused before any work
     sets = eval_file_sets(args.data, recipe) if args.data else TaskSource(recipe).eval_sets(recipe.data.eval_examples)
     examples = [ex for exs in sets.values() for ex in exs]
     scores = score_task_sets(run.model, run.tokenizer, sets, rounds, separator=recipe.data.separator)
@@ -209,6 +228,16 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
              for r, v in result["rounds"].items()]
     lines += [f"exact match (%) by difficulty x rounds on {result['data']} ({len(examples)} examples):",
               markdown_table({d: {r: v["accuracy"] for r, v in row.items()} for d, row in scores["by_difficulty"].items()})]
+    if modes:  # how the model answers when it decodes: feedback is carried token to token, not teacher-forced
+        from .evaluation.tasks import prompt_mode_accuracy
+        depth = recipe.depth.rounds
+        acc = prompt_mode_accuracy(run.model, run.tokenizer, sets, modes, depth, separator=recipe.data.separator)
+        result["accuracy_by_prompt_mode"] = {m: {str(d): a for d, a in row.items()} for m, row in acc.items()}
+        result["prompt_mode_rounds"] = depth
+        lines += [f"greedy exact match (%) by difficulty x prompt mode, decoded by the cached engine at {depth} "
+                  f"rounds ({len(examples)} examples):",
+                  markdown_table({d: {m: acc[m][d] for m in modes} for d in sets}, "difficulty \\ prompt mode",
+                                 modes)]
     from .evaluation.early_exit import cli_policy
     if args.exit:  # accuracy vs rounds used, by difficulty, under a per-token exit policy
         from .evaluation.tasks import evaluate_examples_exit
@@ -546,6 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "stability, e.g. 1,2,4,8,16,30; default 1,2,3)")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
+    e.add_argument("--prompt-mode", metavar="MODE[,MODE...]",
+                   help="a task run: exact match of greedy answers decoded by the cached engine in each of these "
+                        "prompt modes (standard, soft, fused: as generate --prompt-mode), by difficulty, at the "
+                        "recipe's depth.rounds")
     _device_arg(e)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)

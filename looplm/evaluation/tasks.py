@@ -2,13 +2,16 @@
 
 The one scoring path for task runs: the trainer's report (`task_report`), `looplm eval` on a task
 run (with or without `--data FILE.jsonl`), the extrapolation experiment and early exit on task
-examples all go through `score_task_sets` / `evaluate_examples_exit`.
+examples all go through `score_task_sets` / `evaluate_examples_exit`. Answers decoded by the cached
+engine in a feedback model's prompt modes (`looplm eval --prompt-mode`, benchmarks/feedback_probes.py)
+go through `prompt_mode_accuracy`.
 """
 
 from __future__ import annotations
 
 import time
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -132,40 +135,96 @@ def accuracy_table(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[E
 
 @torch.no_grad()
 def greedy_answers(model: torch.nn.Module, tok: Any, prompts: list[str], rounds: int | None = None,
-                   max_new_tokens: int = 16, batch_size: int = 64, separator: bool = True) -> list[str]:
+                   max_new_tokens: int = 16, batch_size: int = 64, separator: bool = True,
+                   prompt_mode: str | None = None) -> list[str]:
     """Greedy answers to prompts (the separator is appended here unless separator=False), each up to its newline.
+
+    Without a prompt_mode this is the slow reference: every token from a whole forward pass over the
+    rows so far. With one (standard, soft or fused) the cached engine decodes them in that prompt mode
+    at a fixed depth, as a served feedback model answers: soft and fused feedback is carried from token
+    to token, which no plain forward pass reproduces. Either way the answer is read off the generated
+    tokens by the same rule (up to the first newline token)."""
+    model.eval()
+    newline = tok.encode(ANSWER_END)
+    if len(newline) != 1:
+        raise UserError("greedy_answers needs a tokenizer that encodes the newline as one token")
+    r = rounds if rounds is not None else getattr(model, "nominal_rounds", 1)
+    ids = [tok.encode(p + (SEPARATOR if separator else "")) for p in prompts]
+    out: list[list[int]] = []
+    if prompt_mode is not None:
+        from ..inference import SamplingParams
+        # the newline stop ends a row on the token the rule below cuts at; eos does not end it, as it
+        # does not end the reference's rows
+        sp = SamplingParams(max_new_tokens=max_new_tokens, stop=(ANSWER_END,), stop_at_eos=False,
+                            prompt_mode=prompt_mode)
+        engine = answer_engine(model, tok, r)
+        for start in range(0, len(ids), batch_size):
+            out += [c.tokens for c in engine.generate(ids[start:start + batch_size], sp)]
+    else:
+        for start in range(0, len(ids), batch_size):
+            out += _greedy_by_forward(model, ids[start:start + batch_size], r, max_new_tokens, tok.eos_id, newline[0])
+    return [tok.decode(o[:-1] if o and o[-1] == newline[0] else o) for o in out]
+
+
+def _greedy_by_forward(model: torch.nn.Module, ids: list[list[int]], rounds: int, max_new_tokens: int, eos: int,
+                       newline: int) -> list[list[int]]:
+    """Each row's greedy tokens, up to and including its newline, by whole forward passes.
 
     Rows are right-padded; each row's next token is read at its own last position, which
     causal attention makes independent of the padding after it."""
-    model.eval()
-    eos, newline = tok.eos_id, tok.encode(ANSWER_END)
-    if len(newline) != 1:
-        raise UserError("greedy_answers needs a tokenizer that encodes the newline as one token")
-    answers = []
-    for start in range(0, len(prompts), batch_size):
-        ids = [tok.encode(p + (SEPARATOR if separator else "")) for p in prompts[start:start + batch_size]]
-        B, lens = len(ids), torch.tensor([len(i) for i in ids])
-        buf = torch.full((B, int(lens.max()) + max_new_tokens), eos, dtype=torch.long)
-        for i, row in enumerate(ids):
-            buf[i, :len(row)] = torch.tensor(row)
-        out: list[list[int]] = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool)
-        for _ in range(max_new_tokens):
-            T = int(lens.max())
-            r = rounds if rounds is not None else getattr(model, "nominal_rounds", 1)
-            logits = logits_by_rounds(model, buf[:, :T], [r])[r]          # (B, T, V)
-            nxt = logits[torch.arange(B), lens - 1].argmax(-1).cpu()     # (B,)
-            for i in range(B):
-                if done[i]:
-                    continue
-                out[i].append(int(nxt[i]))
-                buf[i, lens[i]] = nxt[i]
-                lens[i] += 1
-                done[i] = int(nxt[i]) == newline[0]
-            if bool(done.all()):
-                break
-        answers += [tok.decode(o[:-1] if o and o[-1] == newline[0] else o) for o in out]
-    return answers
+    B, lens = len(ids), torch.tensor([len(i) for i in ids])
+    buf = torch.full((B, int(lens.max()) + max_new_tokens), eos, dtype=torch.long)
+    for i, row in enumerate(ids):
+        buf[i, :len(row)] = torch.tensor(row)
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        T = int(lens.max())
+        logits = logits_by_rounds(model, buf[:, :T], [rounds])[rounds]  # (B, T, V)
+        nxt = logits[torch.arange(B), lens - 1].argmax(-1).cpu()     # (B,)
+        for i in range(B):
+            if done[i]:
+                continue
+            out[i].append(int(nxt[i]))
+            buf[i, lens[i]] = nxt[i]
+            lens[i] += 1
+            done[i] = int(nxt[i]) == newline
+        if bool(done.all()):
+            break
+    return out
+
+
+def answer_engine(model: torch.nn.Module, tok: Any, rounds: int | None = None, modes: Sequence[str] = ()) -> Any:
+    """The cached engine answers are decoded by, at a fixed depth of `rounds` (a feedback model decodes at
+    no other; default the model's nominal depth). Each of `modes` is checked against the model before any
+    decoding, as `looplm generate` checks it (Engine.prompt_mode: a mode the model lacks is refused)."""
+    from ..inference import Engine, GenerationConfig, SamplingParams
+    engine = Engine(model, tok, GenerationConfig(rounds=rounds))
+    for mode in modes:
+        engine.prompt_mode(SamplingParams(prompt_mode=mode))
+    return engine
+
+
+def prompt_mode_accuracy(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]], modes: list[str],
+                         rounds: int | None = None, batch_size: int = 64,
+                         separator: bool = True) -> dict[str, dict[int, float]]:
+    """mode -> difficulty -> exact match of the greedy answers the cached engine decodes in that prompt
+    mode (greedy_answers), at a fixed depth of `rounds` (default the model's nominal depth).
+
+    A feedback model's teacher-forced accuracy (score_task_sets) is its plain pass's; how it answers
+    with feedback carried from token to token is only seen by decoding. Every mode is checked before
+    any decoding (answer_engine)."""
+    engine = answer_engine(model, tok, rounds, modes)
+    out: dict[str, dict[int, float]] = {}
+    for mode in modes:
+        out[mode] = {}
+        for d, exs in sorted(eval_sets.items()):
+            # a right answer is its own tokens and the newline; decoding further cannot make a wrong one right
+            budget = max((len(tok.encode(format_for_training(ex, separator)[1])) for ex in exs), default=1)
+            got = greedy_answers(model, tok, [ex.prompt for ex in exs], engine.rounds, budget, batch_size,
+                                 separator, prompt_mode=mode)
+            out[mode][d] = sum(g == ex.answer for g, ex in zip(got, exs)) / max(1, len(exs))
+    return out
 
 
 def prompt_tokens_by_difficulty(tok: Any, eval_sets: dict[int, list[Example]],
@@ -175,9 +234,11 @@ def prompt_tokens_by_difficulty(tok: Any, eval_sets: dict[int, list[Example]],
             for d, exs in eval_sets.items()}
 
 
-def markdown_table(table: dict[int, dict[int, float]], corner: str = "difficulty \\ rounds") -> str:
-    """difficulty -> rounds -> accuracy as a Markdown table (percent)."""
-    rounds = sorted({r for row in table.values() for r in row})
+def markdown_table(table: dict[int, dict[Any, float]], corner: str = "difficulty \\ rounds",
+                   columns: list[Any] | None = None) -> str:
+    """difficulty -> rounds -> accuracy as a Markdown table (percent); `columns`: other column keys in
+    the order given (prompt modes), instead of the rounds sorted."""
+    rounds = columns if columns is not None else sorted({r for row in table.values() for r in row})
     lines = [f"| {corner} | " + " | ".join(str(r) for r in rounds) + " |",
              "|---:|" + "---:|" * len(rounds)]
     for d, row in sorted(table.items()):
