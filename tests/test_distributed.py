@@ -3,8 +3,8 @@
 One torchrun job runs every two-process training of this file (process start-up is most of the
 cost); the one-process references run here. Same recipe = same global batch at any world size,
 so the loss sequences must agree to float rounding: DDP and FSDP2, with sampled depth and a
-truncated backward window, learned exits, Stage II; a resume at another world size continues the
-same sequence; ranks that disagree on depth fail loudly.
+truncated backward window, learned exits, Stage II, feedback's parallel passes; a resume at
+another world size continues the same sequence; ranks that disagree on depth fail loudly.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ TINY = {"model.d_model": 64, "model.n_heads": 2, "model.n_kv_heads": 2, "data.se
 SAMPLED = {**TINY, "supervision.kind": "every"}
 # ouro-style: the whole stack looped, learned exit distribution with its gate
 OURO = {**TINY, "model.n_core": 2}
+# the feedback recipe (gated fusion, jitter, random initial state) with one, two and three passes from the
+# first step and a plain prefix in half the micro-batches: every random draw of the passes is the global batch's
+FEEDBACK = {**TINY, "feedback.mix_from_step": 0, "feedback.passes": [0.3, 0.4, 0.3], "feedback.prefix_mix": 0.5}
 TOL = dict(rtol=2e-5, atol=2e-6)
 
 
@@ -57,6 +60,8 @@ def two_process_runs(tmp_path_factory):
                      "overrides": {**OURO, "train.parallel": mode}})
         jobs.append({"out": str(tmp / f"stage2-{mode}"), "stage2_of": str(tmp / f"ouro-{mode}"),
                      "overrides": {"train.steps": 4, "train.parallel": mode}})
+        jobs.append({"out": str(tmp / f"feedback-{mode}"), "recipe": "feedback",
+                     "overrides": {**FEEDBACK, "train.parallel": mode}})
     # gradient accumulation: the earlier micro-batches skip the reduction (no_sync / requires_gradient_sync)
     for mode in ("ddp", "fsdp"):
         jobs.append({"out": str(tmp / f"accum-{mode}"), "overrides": {**SAMPLED, "train.grad_accum": 2,
@@ -81,6 +86,7 @@ def one_process_runs(tmp_path_factory):
     train(load_recipe("ouro-style", OURO), tmp / "ouro", quiet=True)
     train(stage2_recipe(tmp / "ouro", {"train.steps": 4}), tmp / "stage2", quiet=True, init_from=tmp / "ouro")
     train(load_recipe("quickstart", {**SAMPLED, "train.grad_accum": 2}), tmp / "accum", quiet=True)
+    train(load_recipe("feedback", FEEDBACK), tmp / "feedback", quiet=True)
     return tmp
 
 
@@ -103,6 +109,27 @@ def test_two_processes_match_one(two_process_runs, one_process_runs, name, mode)
         assert rep[key] == ref[key], key
     for r, v in ref["val_loss_by_rounds"].items():
         assert rep["val_loss_by_rounds"][r] == pytest.approx(v, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_feedback_passes_on_two_processes_match_one(two_process_runs, one_process_runs, mode):
+    """Feedback's K passes (one model call, so one forward per backward for DDP and FSDP2) train as in one
+    process: both processes draw the same pass count, and the plain prefixes, initial state and jitter of
+    their rows of the global batch."""
+    two, one = two_process_runs / f"feedback-{mode}", one_process_runs / "feedback"
+    rep, ref = (json.loads((run / "report.json").read_text()) for run in (two, one))
+    assert set(ref["feedback"]["passes_histogram"]) == {"1", "2", "3"}, "every pass count should be trained"
+    torch.testing.assert_close(torch.tensor(losses(two)), torch.tensor(losses(one)), **TOL)
+    a, b = _weights(two), _weights(one)
+    assert a.keys() == b.keys() and "feedback.gate.weight" in a
+    for k in a:   # Adam's step divides by the gradient's own size: a near-zero gradient's rounding moves a
+        # weight by a little (measured 7e-6 in one element); 6 steps move a typical one by about 5e-3
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=5e-5, msg=k)
+    # the passes and tokens x passes are the whole job's, as tokens and FLOPs are
+    for key in ("passes_histogram", "token_passes"):
+        assert rep["feedback"][key] == ref["feedback"][key], key
+    for key in ("tokens_seen", "token_passes", "train_flops"):
+        assert rep[key] == pytest.approx(ref[key]), key
 
 
 def test_activation_checkpointing_under_fsdp_matches_one_process(two_process_runs, one_process_runs):

@@ -18,7 +18,8 @@ check measures it), so a fused input built from it would change scale with the t
 Feedback adds computational access, not information: h_{t-1} is a function of tokens <= t-1, which
 position t already attends to. Training computes it with parallel passes (`passes_forward`): pass 1
 from the embeddings, pass k from pass k-1's top states shifted by one position; after K passes the
-first K positions hold exactly what serial decoding computes.
+first K positions hold exactly what serial decoding computes. The trainer runs the K passes inside
+one model call (`LoopedLM.forward(feedback_passes=K)`), so DDP and FSDP see one forward per backward.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ class Feedback(nn.Module):
         self.norm_in = nn.RMSNorm(d, eps=eps) if cfg.norm else None
         self.norm_out = nn.RMSNorm(d, eps=eps) if cfg.norm else None
 
-    def forward(self, e: Tensor, h: Tensor, plain: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """e, h: (B, T, d); plain: (B, T) bool, True where the position reads e as it is."""
+    def forward(self, e: Tensor, h: Tensor, plain: Tensor, noise: Tensor | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+        """e, h: (B, T, d); plain: (B, T) bool, True where the position reads e as it is. noise: (B, T, d)
+        the jitter's U(0, 1) draws, when the caller made them (passes_forward draws a global batch's and
+        slices it); None: drawn here from `generator`."""
         h = h.to(e.dtype)
         if self.norm_in is not None:
             h = self.norm_in(h)
@@ -60,10 +64,16 @@ class Feedback(nn.Module):
         if self.norm_out is not None:
             fused = self.norm_out(fused)
         if self.training and self.jitter:    # uniform noise of std `jitter`: U(-a, a) with a = sqrt(3) std
-            u = torch.rand(fused.shape, generator=generator, dtype=fused.dtype, device="cpu" if generator is not
-                           None and generator.device.type == "cpu" else fused.device).to(fused.device)
-            fused = fused + (2 * u - 1) * (self.jitter * math.sqrt(3))
+            u = self.uniform(fused.shape, generator, fused.device) if noise is None else noise
+            fused = fused + (2 * u.to(fused.dtype) - 1) * (self.jitter * math.sqrt(3))
         return torch.where(plain.unsqueeze(-1), e, fused)
+
+    @staticmethod
+    def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
+        """The jitter's U(0, 1) draws, float32 on `device`. A CPU generator (the trainer's) draws on the CPU,
+        so every device gets the same numbers from the same seed."""
+        cpu = generator is not None and generator.device.type == "cpu"
+        return torch.rand(shape, generator=generator, device="cpu" if cpu else device).to(device)
 
 
 def plain_positions(idx: Tensor, eos_id: int | None, reset_at_eos: bool, prefix: Tensor | None = None) -> Tensor:
@@ -85,24 +95,32 @@ def shift_states(top: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(top[:, :1]), top[:, :-1]], dim=1)
 
 
-def passes_forward(model: Any, idx: Tensor, passes: int, plain: Tensor, run: Any = None, **kwargs: Any) -> list[Any]:
+def passes_forward(model: Any, idx: Tensor, passes: int, plain: Tensor, run: Any = None,
+                   noise_rows: tuple[int, slice] | None = None, **kwargs: Any) -> list[Any]:
     """The K-pass training forward: one LoopOutput per pass. Pass 1 runs on the embeddings; pass k
     fuses pass k-1's top states, shifted by one position, into the bottom input. Gradients flow
-    through the earlier passes (nothing is detached). `run` is what calls the model (its DDP or
-    compiled wrapper; default the model); kwargs go to every pass (rounds, window, readouts, ...). A
-    random initial state is drawn once (from kwargs' generator) and shared by every pass."""
+    through the earlier passes (nothing is detached). `run` is what runs one pass (default the model;
+    `LoopedLM.forward(feedback_passes=K)` hands its own forward, so the K passes are one model call);
+    kwargs go to every pass (rounds, window, readouts, ...).
+
+    The random draws come from kwargs' generator (the trainer's, seeded per micro-batch): the initial
+    state once, shared by every pass as serial decoding has one per position, then each fed pass's
+    jitter. noise_rows (G, rows): idx is rows `rows` of a global batch of G (one process of several);
+    every draw is made for all G rows and sliced, so any world size trains on the same numbers."""
     run = model if run is None else run
-    if model.cfg.init_state == "random" and kwargs.get("initial_state") is None and \
-            (model.training or kwargs.get("generator") is not None):
-        # one initial state per position for every pass, as serial decoding has one per position
-        # the generator stays in kwargs: the jitter draws from it too (reproducible from the trainer's seed)
-        kwargs["initial_state"] = model.random_state((*idx.shape, model.cfg.d_model), kwargs.get("generator"),
-                                                      model.embed.weight.dtype, idx.device)
+    G, keep = noise_rows if noise_rows is not None else (idx.shape[0], slice(None))
+    whole = (G, *idx.shape[1:], model.cfg.d_model)                  # (G, T, d): the global batch's draws
+    gen = kwargs.get("generator")
+    if model.cfg.init_state == "random" and kwargs.get("initial_state") is None and (model.training or gen is not None):
+        kwargs["initial_state"] = model.random_state(whole, gen, model.embed.weight.dtype, idx.device)[keep]
+    fb = model.feedback
     outs: list[Any] = []
     fed = None
     for k in range(passes):
         out = run(idx, feedback=fed, keep_top=k < passes - 1, **kwargs)
         outs.append(out)
         if k < passes - 1:
-            fed = (shift_states(out.top), plain)
+            jitter = fb is not None and fb.training and fb.jitter
+            noise = Feedback.uniform(whole, gen, idx.device)[keep] if jitter else None           # (B, T, d)
+            fed = (shift_states(out.top), plain, noise)
     return outs

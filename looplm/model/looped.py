@@ -69,6 +69,9 @@ class LoopOutput:
     routing: dict[int, list[Tensor]] = field(default_factory=dict)
     """LoopMoE: core block index -> the (B*T, k) experts its tokens chose at each of its visits, in order
     (a shared block: one entry per round; an untied block: one)."""
+    earlier_passes: list["LoopOutput"] = field(default_factory=list)
+    """Feedback's parallel passes before this one, in order, when one call ran several (forward's
+    feedback_passes): pass k's own output at index k - 1; this output is the last pass's."""
 
 
 def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
@@ -330,15 +333,37 @@ class LoopedLM(nn.Module):
         initial_state: Tensor | None = None,
         collect_stats: bool = False,
         full_depth: bool = False,
-        feedback: tuple[Tensor, Tensor] | None = None,
+        feedback: tuple[Tensor, ...] | None = None,
         keep_top: bool = False,
+        feedback_passes: int = 1,
+        plain: Tensor | None = None,
+        noise_rows: tuple[int, slice] | None = None,
     ) -> LoopOutput:
         """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
         initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table).
         A routed loop (model.mor) runs each token to its routed depth (at most `rounds`); full_depth
-        sends every token through every round with weight 1 instead (warm-up). feedback: (h, plain), the
-        previous positions' top states fused into the input (model/feedback.py; passes_forward runs the
-        passes); keep_top: return the final round's top state after the final norm (LoopOutput.top)."""
+        sends every token through every round with weight 1 instead (warm-up). feedback: (h, plain) or
+        (h, plain, jitter noise), the previous positions' top states fused into the input
+        (model/feedback.py); keep_top: return the final round's top state after the final norm
+        (LoopOutput.top).
+
+        feedback_passes K > 1: feedback's K parallel passes (passes_forward) in this one call, plain
+        (B, T) bool the positions that read their plain embedding: DDP and FSDP wrap the model's call,
+        and need one forward per backward. Returns the last pass's output, the earlier ones in its
+        earlier_passes. noise_rows (G, rows): idx is rows `rows` of a global batch of G, whose random
+        draws the passes make whole and slice (one process of several computes what one process does)."""
+        if feedback_passes > 1:
+            if plain is None or feedback is not None or keep_top or cache is not None:
+                raise ValueError("feedback_passes needs plain (the start convention) and runs whole windows from "
+                                 "their embeddings: no feedback, keep_top or cache of its own")
+            from .feedback import passes_forward
+            # self.forward, not self(...): the passes are inside this call, not new calls DDP or FSDP would see
+            outs = passes_forward(self, idx, feedback_passes, plain, run=self.forward, noise_rows=noise_rows,
+                                  rounds=rounds, backward_window=backward_window, readout_rounds=readout_rounds,
+                                  start_pos=start_pos, positions=positions, generator=generator,
+                                  initial_state=initial_state, collect_stats=collect_stats, full_depth=full_depth)
+            outs[-1].earlier_passes = outs[:-1]
+            return outs[-1]
         rounds = self.nominal_rounds if rounds is None else rounds
         if self.cfg.untied and rounds != self.nominal_rounds:
             raise ValueError(f"the untied baseline has blocks for exactly {self.nominal_rounds} rounds, asked {rounds}")

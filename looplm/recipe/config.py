@@ -631,8 +631,6 @@ class Recipe:
             _check(max_r >= 2, "exit.gate", "is trained only through the hazards of rounds before the last: "
                    f"learned_exit and stage II need a largest forward depth >= 2 (it is {max_r})")
         if self.feedback.mode != "none":     # what feedback's training does not cover yet: refused, not ignored
-            _check(self.train.parallel == "none", "feedback.mode",
-                   "trains its passes in one process for now (several forwards before one backward): train.parallel = none")
             _check(self.train.stage == 1, "feedback.mode", "has no stage II: train.stage = 1")
             _check(not self.train.alignment_every, "train.alignment_every", "measures one pass; not with feedback")
         if self.data.depth_by_difficulty:

@@ -17,7 +17,7 @@ rank runs the same computation:
   one all-gather per forward instead of one per visit, at the cost of holding the whole core
   unsharded through the forward (docs/distributed.md states what that costs).
 - `lockstep(world, values)`: all-gather the per-micro-batch decisions (forward rounds, backward
-  window) and fail loudly when ranks disagree.
+  window, feedback passes) and fail loudly when ranks disagree.
 - `shard(world, n)`: the rows of a global batch of n that this rank computes.
 - `checkpoint_core(model)`: activation checkpointing per core block (train.activation_checkpointing).
 
@@ -184,19 +184,20 @@ def all_gather_ints(world: World, values: Sequence[int]) -> list[list[int]]:
 
 
 class LockstepError(RuntimeError):
-    """Ranks drew different depths or windows for the same micro-batch."""
+    """Ranks drew different depths, windows or feedback passes for the same micro-batch."""
 
 
-def lockstep(world: World, step: int, micro: int, rounds: int, window: int | None) -> None:
-    """Every rank must run the same forward rounds and backward window for a micro-batch (else
-    collectives pair different computations). All-gathered and compared; raises on every rank."""
-    mine = [step, micro, rounds, -1 if window is None else window]
+def lockstep(world: World, step: int, micro: int, rounds: int, window: int | None, passes: int = 1) -> None:
+    """Every rank must run the same forward rounds, backward window and feedback passes for a
+    micro-batch (else collectives pair different computations: FSDP gathers and reduces per module
+    visit, and a pass visits every module). All-gathered and compared; raises on every rank."""
+    mine = [step, micro, rounds, -1 if window is None else window, passes]
     seen = all_gather_ints(world, mine)
     if any(s != seen[0] for s in seen):
-        table = "; ".join(f"rank {i}: rounds {s[2]}, window {'all' if s[3] < 0 else s[3]}"
+        table = "; ".join(f"rank {i}: rounds {s[2]}, window {'all' if s[3] < 0 else s[3]}, passes {s[4]}"
                           for i, s in enumerate(seen))
         raise LockstepError(f"step {step} micro-batch {micro}: ranks disagree on depth ({table}); "
-                            "every rank must draw depth from the same (seed, step, micro-batch)")
+                            "every rank must draw depth and feedback passes from the same (seed, step, micro-batch)")
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

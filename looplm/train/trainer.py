@@ -196,27 +196,27 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     window = None if recipe.backward.window == "all" else min(recipe.backward.window, rounds)
     # stage II's gate loss compares every round's readout, whatever the stage-I placement was
     place = placement(SupervisionConfig(kind="every") if recipe.train.stage == 2 else supervision, rounds)
+    n_passes, plain = feedback_plan(recipe, x, step, micro, eos_id, rows)
     if world.distributed and check_lockstep:
-        lockstep(world, step, micro, rounds, window)
-    # the initial-state noise comes from a CPU generator, so every device draws the same numbers
+        lockstep(world, step, micro, rounds, window, n_passes)
+    # the noise comes from a CPU generator, so every device draws the same numbers; the generator goes
+    # along for the feedback passes' jitter
     gen = depth_generator(recipe.train.seed + 1, step, micro)
-    noise = {"generator": gen}
+    kwargs: dict[str, Any] = {"generator": gen}
+    G = recipe.train.batch_size
     if rows is not None and recipe.model.init_state == "random":   # the global batch's noise, our rows
-        G = recipe.train.batch_size
-        noise = {"initial_state": model.random_state((G, *x.shape[1:], recipe.model.d_model), gen,
-                                                     torch.float32, device)[rows]}
+        kwargs["initial_state"] = model.random_state((G, *x.shape[1:], recipe.model.d_model), gen,
+                                                    torch.float32, device)[rows]
     warmup = recipe.model.mor != "none" and step < recipe.train.mor_warmup_steps
     if recipe.model.mor != "none":   # Mixture-of-Recursions warm-up: every token at full depth (capacity 1)
-        noise = {**noise, "full_depth": warmup}
-    n_passes, plain = feedback_plan(recipe, x, step, micro, eos_id, rows)
+        kwargs["full_depth"] = warmup
+    if n_passes > 1:     # the K passes run inside one model call: DDP and FSDP see one forward per backward
+        kwargs.update(feedback_passes=n_passes, plain=plain, noise_rows=(G, rows) if rows is not None else None)
     run = model if forward is None else forward
     with autocast(device, recipe.train.dtype):
-        kwargs = dict(backward_window=window, readout_rounds=place.rounds, collect_stats=collect_stats, **noise)
-        if n_passes == 1:
-            outs = [run(x, rounds, **kwargs)]
-        else:
-            from ..model.feedback import passes_forward
-            outs = passes_forward(model, x, n_passes, plain, run=run, rounds=rounds, **kwargs)
+        last = run(x, rounds, backward_window=window, readout_rounds=place.rounds, collect_stats=collect_stats,
+                   **kwargs)
+        outs = [*last.earlier_passes, last]
         out = outs[0]
         if recipe.train.stage == 2:
             loss, info = stage2_loss(model, recipe, out, y, mask)
@@ -453,7 +453,9 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
         log_now = step % recipe.train.log_every == 0 or step == total - 1 or align_now
         step_loss, depths, info, out = 0.0, [], {}, None
         routed_counts = []                 # Mixture-of-Recursions: tokens per routed depth, this step
-        before_counts = (counters.tokens_seen, counters.token_passes, counters.train_flops)
+        # what each process counts of its own rows, summed over the processes after the step
+        summed = ("tokens_seen", "token_passes", "feedback_token_passes", "train_flops")
+        before_counts = [getattr(counters, k) for k in summed]
         for micro in range(accum):
             x, y, *task_opts = sampler.batch(step * accum + micro, rows)  # task: + mask, rounds
             with no_sync(runner, parallel, last=micro == accum - 1):
@@ -474,12 +476,11 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
                     m, rec, x, y, step, 0, Counters(), rounds=out.rounds, **opts))
             tok_window += x.numel()  # task batches vary in length
         if world.size > 1:   # the step's global loss and the work every process did
-            delta = [a - b for a, b in zip((counters.tokens_seen, counters.token_passes, counters.train_flops),
-                                           before_counts)]
+            delta = [getattr(counters, k) - b for k, b in zip(summed, before_counts)]
             local_tokens = delta[0]
             step_loss, *delta = all_sum(world, [step_loss, *delta])
-            counters.tokens_seen, counters.token_passes = (int(b + d) for b, d in zip(before_counts[:2], delta[:2]))
-            counters.train_flops = before_counts[2] + delta[2]
+            for k, b, d in zip(summed, before_counts, delta):   # all_sum is float64: exact for the counts
+                setattr(counters, k, type(b)(b + d))
             tok_window += int(delta[0]) - local_tokens          # tokens/s of the whole job
         if model.gate is not None:   # the recipe card's gate line comes from these steps, not from the recipe
             sums = [full_tensor(p.grad.detach().abs().sum()) for p in model.gate.parameters() if p.grad is not None]
