@@ -829,7 +829,7 @@ def _recirculation_setup(run: Run, name: str) -> "_Recirc | CheckResult":
     if pair is None:
         return CheckResult.not_applicable(name, "the model runs a single block visit: there is no pair d < s to mix")
     d, s = pair
-    rc = Recirculation(source=s, dest=d, alpha=RECIRC_ALPHA)
+    rc = Recirculation(source=s, dest=d, alpha=RECIRC_ALPHA, schedule="serial")     # the reference schedule
     fixed = dict(exit=f"fixed:{R}", exit_in_prefill=False)      # every visit at every position
     try:
         plain, engine = Engine.from_run(run, **fixed), Engine.from_run(run, **fixed, recirculation=rc)
@@ -1097,6 +1097,39 @@ def check_recirculation_no_cross_token_leak(run: Run, rx: _Recirc) -> CheckResul
                        f"0) and after by {after:.1e}", MEASURED)
 
 
+@_recirculation_check("recirculation_resume_exact")
+def check_recirculation_resume(run: Run, rx: _Recirc) -> CheckResult:
+    """The faster exact schedule (resume: the second pass starts after d from the first pass's outputs, no LM
+    head) against the reference the other checks measure (serial: the whole model again): the same logits at
+    every position of a window, and the blocks that actually ran — counted by forward hooks on the model's
+    blocks — are the reference's minus the d + 1 visits per position it supplies."""
+    import dataclasses
+
+    from .inference.engine import Engine
+    T = 8
+    fast = Engine.from_run(run, exit=f"fixed:{rx.R}", exit_in_prefill=False,
+                           recirculation=dataclasses.replace(rx.rc, schedule="resume"))
+    blocks = [*run.model.prelude, *run.model.core, *run.model.coda]
+    x = _sample_ids(run, T)[:1]
+    got, calls = {}, [0]
+    hooks = [b.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for b in blocks]
+    try:
+        for name, eng in (("serial", rx.engine), ("resume", fast)):
+            calls[0] = 0
+            got[name] = (eng.run_chunk(x, 0, eng.new_cache(1, T), phase="prefill", all_logits=True).logits, calls[0])
+    finally:
+        for h in hooks:
+            h.remove()
+    n = run.model.cfg.n_prelude + rx.R * run.model.cfg.n_core + run.model.cfg.n_coda                # visits per pass
+    diff = (got["serial"][0] - got["resume"][0]).abs().max().item()
+    want = (2 * T * n, T * (2 * n - rx.d - 1))
+    ok = diff <= 1e-5 and (got["serial"][1], got["resume"][1]) == want
+    return CheckResult(rx.name, ok,
+                       f"{rx.where}; {T} positions: resume vs serial max |logit diff| {diff:.1e}; blocks run "
+                       f"{got['resume'][1]} vs {got['serial'][1]} (want {want[1]} vs {want[0]}: {rx.d + 1} visits and "
+                       f"the head per position not recomputed)", MEASURED)
+
+
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
     check_flops_count_every_visit, check_backward_window_measured, check_backward_window, check_exit_masses,
@@ -1105,6 +1138,7 @@ CHECKS: list[Callable[[Run], CheckResult]] = [
     check_feedback_shift, check_feedback_start, check_feedback_loss, check_feedback_isolation,
     check_feedback_reorder, check_recirculation_visit_indexing, check_recirculation_norm_clamp,
     check_recirculation_cache_refresh, check_recirculation_readout_boundary, check_recirculation_no_cross_token_leak,
+    check_recirculation_resume,
 ]
 
 

@@ -116,7 +116,7 @@ def test_no_future_token_reaches_an_earlier_position():
 def test_a_stale_cache_and_a_cross_token_leak_each_fail_the_hand_loop(monkeypatch):
     import looplm.inference.recirculation as recirc
     model, x = build(TWO), ids()
-    rc = Recirculation(source=1, dest=0, alpha=0.6)
+    rc = Recirculation(source=1, dest=0, alpha=0.6, schedule="serial")      # the second pass through `replace`
     want = hand_loop(model, x, 0.6)
     assert (engine_logits(model, rc, x) - want).abs().max() < 1e-4
     with monkeypatch.context() as mp:      # the refinement pass never reaches the cache: later positions read stale entries
@@ -199,3 +199,23 @@ def test_a_saved_mixer_drives_the_engine_as_it_drove_training(tmp_path):
         save_mixer(AdaptiveMixer(8), tmp_path / "small.safetensors")
         Engine(model, None, GenerationConfig(recirculation=Recirculation(source=3, dest=1,
                                                                          mixer=str(tmp_path / "small.safetensors"))))
+
+
+@pytest.mark.parametrize("pair", [(3, 1), (4, 0), (2, 1)])
+def test_the_resume_schedule_equals_the_serial_reference_and_skips_the_visits_up_to_d(pair):
+    s, d = pair
+    model, x = build(LOOPED), ids()
+    calls = [0]
+    hooks = [b.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+             for b in [*model.prelude, *model.core, *model.coda]]
+    got = {}
+    for schedule in ("serial", "resume"):
+        calls[0] = 0
+        got[schedule] = engine_logits(model, Recirculation(source=s, dest=d, alpha=0.4, ramp=2, schedule=schedule), x)
+        got[schedule + " calls"] = calls[0]
+    for h in hooks:
+        h.remove()
+    assert (got["serial"] - got["resume"]).abs().max() < 1e-5
+    T, n = x.shape[1], 5
+    # position 0: alpha_0 = 0 with the ramp, no second pass; then every position's second pass skips d + 1 visits
+    assert got["serial calls"] == T * n + (T - 1) * n and got["resume calls"] == T * n + (T - 1) * (n - d - 1)

@@ -412,7 +412,7 @@ class Engine:
               trace: list[tuple[Tensor, Tensor]] | None = None,
               may_exit: Tensor | None = None, work: DecodeWork | None = None,
               work_phase: str | None = None, feedback: tuple[Tensor, Tensor] | None = None,
-              tops: list[Tensor] | None = None) -> ChunkResult:
+              tops: list[Tensor] | None = None, head: bool = True, skipped: int = 0) -> ChunkResult:
         """One chunk: tokens idx (B, T) at cache columns [start, start+T) of `cache`.
 
         Returns a ChunkResult (logits, rounds_used): logits (B, T, V) with all_logits else (B, V) at
@@ -429,7 +429,9 @@ class Engine:
         evaluations it ran, under `work_phase` (default `phase`). feedback (h (B, T, d), plain (B, T)):
         the previous positions' top states fused into these tokens' input (model/feedback.py); `tops`
         (fixed depth) gets the chunk's top states after the final norm, (B, T, d) with all_logits else
-        (B, 1, d): what the next position reads."""
+        (B, 1, d): what the next position reads. head=False (fixed depth): no LM head, logits None (a pass
+        run for its cache entries); skipped: the first visits the kernels' tap supplied instead of computing
+        them (recirculation's resumed pass), left out of `work`."""
         k = self._fast or self.kernels()
         T = idx.shape[1]
         cache.begin(start, T, phase, rows)
@@ -441,13 +443,14 @@ class Engine:
             if trace is not None:
                 trace.append((e, s))
             top: dict[int, Tensor] | None = {} if tops is not None else None
-            logits = k.readout(s, rope, cache, R, all_logits, top)
+            logits = k.readout(s, rope, cache, R, all_logits, top, head)
             if tops is not None:
                 tops.append(top[R] if all_logits else top[R].unsqueeze(1))
             if commit:
                 cache.commit(R)
             if work is not None:    # the coda runs on every column, the head on the last (on each with all_logits)
-                work.add(work_phase or phase, start, R, columns=T, heads=T if all_logits else 1, rows=idx.shape[0])
+                work.add(work_phase or phase, start, R, columns=T, heads=(T if all_logits else 1) if head else 0,
+                         rows=idx.shape[0], skip_visits=skipped)
             return ChunkResult(logits, R)
         if T != 1:
             raise ValueError("per-token exits run one column at a time")

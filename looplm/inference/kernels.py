@@ -153,7 +153,7 @@ class PackedOps(Ops):
         return self.m.routed_step(s, e, r, rope, cache, weight, self)
 
     def readout(self, s: Tensor, rope: tuple[Tensor, Tensor], cache: Any, r: int, all_positions: bool,
-                tops: dict[int, Tensor] | None = None) -> Tensor:
+                tops: dict[int, Tensor] | None = None, head: bool = True) -> Tensor | None:
         """Coda, final norm and head; the head on the last column unless all_positions (tops: gets the
-        normed top states, as model.readout)."""
-        return self.m.readout(s, rope, cache, r, self, last_only=not all_positions, tops=tops)
+        normed top states, as model.readout; head=False: the coda only)."""
+        return self.m.readout(s, rope, cache, r, self, last_only=not all_positions, tops=tops, head=head)

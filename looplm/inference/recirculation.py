@@ -56,8 +56,10 @@ class Recirculation:
     """alpha_t = min(t / ramp, 1) * alpha at position t (0: alpha from the first position)."""
     eps: float = 1e-6
     """The norm clamp: a source of norm below eps is scaled by |h_d| / eps, never divided by zero."""
-    schedule: Literal["serial", "blockwise"] = "serial"
-    """serial: exact, position by position; blockwise: each chunk (a prompt) refined at once, an approximation."""
+    schedule: Literal["resume", "serial", "blockwise"] = "resume"
+    """resume: exact, position by position, the second pass resuming after d (visits up to d and the LM head
+    not recomputed); serial: exact, the second pass the whole model again (the reference resume is tested
+    against); blockwise: each chunk (a prompt) refined at once, an approximation."""
     mixer: str | None = None
     """A trained adaptive mixer (model/mixer.py, safetensors): its alpha, beta replace the fixed ones
     (alpha's ramp still applies)."""
@@ -74,8 +76,8 @@ class Recirculation:
             raise UserError(f"recirculation --ramp {self.ramp!r}: an integer >= 0")
         if not self.eps > 0:
             raise UserError(f"recirculation eps {self.eps}: must be > 0")
-        if self.schedule not in ("serial", "blockwise"):
-            raise UserError(f"recirculation --schedule {self.schedule!r}: serial or blockwise")
+        if self.schedule not in ("resume", "serial", "blockwise"):
+            raise UserError(f"recirculation --schedule {self.schedule!r}: resume, serial or blockwise")
 
     def check(self, cfg: Any, rounds: int) -> None:
         """The visits exist in a forward at `rounds` rounds."""
@@ -101,18 +103,36 @@ def mix(h_dst: Tensor, h_src: Tensor, alpha: Tensor | float, beta: Tensor | floa
     return (beta * d + alpha * scaled).to(h_dst.dtype)
 
 
-def schedule(run_pass: Callable[[Tensor, int, Any], Tensor], rc: Recirculation, cfg: Any, rounds: int,
+class _Resume:
+    """The second pass's tap under the resume schedule: the visits before d are the first pass's outputs
+    (`held`), d's is the refined state, so none of them runs again (their cache entries stay the first
+    pass's, which is what a recomputation would write); the visits after d compute."""
+
+    def __init__(self, held: dict[int, Tensor], refined: Tensor, d: int, cfg: Any, rounds: int):
+        self.held, self.refined, self.d, self.cfg, self.rounds = held, refined, d, cfg, rounds
+
+    def known(self, slot: tuple) -> Tensor | None:
+        v = visit_index(slot, self.cfg, self.rounds)
+        return self.refined if v == self.d else self.held.get(v) if v < self.d else None
+
+    def __call__(self, slot: tuple, h: Tensor) -> Tensor:
+        return h
+
+
+def schedule(run_pass: Callable[..., Tensor], rc: Recirculation, cfg: Any, rounds: int,
              idx: Tensor, start: int, pad: Tensor, mixer: Any = None) -> list[Tensor]:
     """The schedule, whatever runs the passes (the module docstring's steps 1-3): tokens idx (B, T) at
-    columns start..start+T, rows starting at columns `pad` (B,). `run_pass(x, col, tap)` runs tokens x at
-    column col through the model with `tap` on its block visits, writing their cache entries, and returns
-    the logits (B, T', V) or (B, V). Returns the ordinary passes' logits, one entry per span. The engine's
-    chunks run it (`recirculated_chunk`), and so does the eager, differentiable pass the adaptive mixer
-    trains through (`EagerPasses`). mixer: None (the fixed alpha, beta) or `mixer(h_dst, h_src)` -> (alpha,
-    beta), the learned coefficients (ramped like alpha)."""
+    columns start..start+T, rows starting at columns `pad` (B,). `run_pass(x, col, tap, skipped=0)` runs
+    tokens x at column col through the model with `tap` on its block visits, writing their cache entries,
+    and returns the logits (B, T', V) or (B, V) — None when `skipped` (the resumed pass: its first `skipped`
+    visits supplied by the tap, no LM head). Returns the ordinary passes' logits, one entry per span. The
+    engine's chunks run it (`recirculated_chunk`), and so does the eager, differentiable pass the adaptive
+    mixer trains through (`EagerPasses`). mixer: None (the fixed alpha, beta) or `mixer(h_dst, h_src)` ->
+    (alpha, beta), the learned coefficients (ramped like alpha)."""
     s_at, d_at = rc.source, rc.dest
     T = idx.shape[1]
-    spans = [(c, c + 1) for c in range(T)] if rc.schedule == "serial" else [(0, T)]
+    resume = rc.schedule == "resume"
+    spans = [(0, T)] if rc.schedule == "blockwise" else [(c, c + 1) for c in range(T)]
     out: list[Tensor] = []
     for a, b in spans:
         x, col = idx[:, a:b], start + a
@@ -120,7 +140,7 @@ def schedule(run_pass: Callable[[Tensor, int, Any], Tensor], rc: Recirculation, 
 
         def capture(slot: tuple, h: Tensor) -> Tensor:
             v = visit_index(slot, cfg, rounds)
-            if v == s_at or v == d_at:
+            if v == s_at or v == d_at or (resume and v < d_at):
                 held[v] = h                                                                  # (B, T', d)
             return h
 
@@ -134,6 +154,9 @@ def schedule(run_pass: Callable[[Tensor, int, Any], Tensor], rc: Recirculation, 
         elif not bool(alpha.any()) and not bool((beta != 1).any()):
             continue                                     # the identity: nothing to refine
         refined = mix(held[d_at], held[s_at], alpha, beta, rc.eps)
+        if resume:                        # the same column again from d on: t's entries after d become refined
+            run_pass(x, col, _Resume(held, refined, d_at, cfg, rounds), skipped=d_at + 1)
+            continue
 
         def replace(slot: tuple, h: Tensor) -> Tensor:
             return refined if visit_index(slot, cfg, rounds) == d_at else h
@@ -145,15 +168,15 @@ def schedule(run_pass: Callable[[Tensor, int, Any], Tensor], rc: Recirculation, 
 def recirculated_chunk(engine: "Engine", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
                        phase: str, noise: Tensor | None, all_logits: bool, rows: Tensor | None,
                        work: Any, work_phase: str | None) -> "ChunkResult":
-    """`Engine.run_chunk` under recirculation: `schedule` over the engine's chunks (serial: column by column;
-    blockwise: whole); the logits are the ordinary passes'."""
+    """`Engine.run_chunk` under recirculation: `schedule` over the engine's chunks (resume and serial: column
+    by column; blockwise: whole); the logits are the ordinary passes'."""
     from .engine import ChunkResult
     k, R = engine.kernels(), engine.rounds
 
-    def run_pass(x: Tensor, col: int, tap: Any) -> Tensor:
+    def run_pass(x: Tensor, col: int, tap: Any, skipped: int = 0) -> Tensor:
         with k.tapping(tap):
             return engine.chunk(x, col, cache, phase=phase, noise=noise, all_logits=all_logits, rows=rows,
-                                work=work, work_phase=work_phase).logits
+                                work=work, work_phase=work_phase, head=not skipped, skipped=skipped).logits
 
     pad = cache.pad if rows is None else cache.pad[rows]                                      # (B,)
     out = schedule(run_pass, rc, engine.cfg, R, idx, start, pad, engine.mixer)

@@ -65,7 +65,9 @@ class Ops:
     tap: Any = None
     """None, or `tap(slot, x) -> x`: the residual stream after every block visit passes through it, named by
     the visit's cache slot (("prelude", 0, i), ("core", r, i), ("coda", r, i)); recirculation reads and replaces
-    it there (inference/recirculation.py, under `tapping`). The model's own pieces are unchanged without one."""
+    it there (inference/recirculation.py, under `tapping`). A tap with a `known(slot)` method may return a
+    visit's output instead of the block computing it (None: compute), which then neither runs nor writes its
+    cache entries. The model's own pieces are unchanged without one (`LoopedLM.visit`)."""
 
     def linear(self, x: Tensor, *weights: Tensor) -> Tensor:
         """x (..., in) @ [W1; W2; ...]^T -> (..., out1 + out2 + ...): weights that read the same input

@@ -135,22 +135,30 @@ class DecodeWork:
     router_depths: int = 0
 
     def add(self, phase: str, position: int, rounds: int, *, prelude: bool = True, readouts: int = 1,
-            heads: int | None = None, gate_rounds: int = 0, columns: int = 1, rows: int = 1) -> None:
+            heads: int | None = None, gate_rounds: int = 0, columns: int = 1, rows: int = 1,
+            skip_visits: int = 0) -> None:
         """`columns` columns from `position` on (0-based; column t attends to t + 1 keys), each: the
         prelude (prelude), `rounds` rounds of the core (and a Mixture-of-Recursions router's products
         for them), `readouts` passes of the coda and the exit gate at `gate_rounds` rounds; `heads`
         LM-head products over the columns (default one per readout of each column; a chunk's readout
-        runs the coda on every column and the head on the last); `rows` batch rows of such columns."""
+        runs the coda on every column and the head on the last); `rows` batch rows of such columns.
+        skip_visits: the first visits (model/visits.py order) were not computed (supplied by a tap:
+        recirculation's resumed pass); the rounds' injections still ran."""
         cfg, n = self.cfg, columns
         head, adapter, gate = _pieces(cfg, True)
         router = router_flops(cfg, Visits(rounds=rounds, router_depths=self.router_depths,
                                           router_lookahead=getattr(cfg, "mor", "none") == "expert_choice"))[0]
-        blocks = cfg.n_prelude * prelude + readouts * cfg.n_coda
-        core_round = 2 * cfg.n_core * block_matmul_params(cfg, True) + adapter
-        products = (n * (2 * block_matmul_params(cfg) * blocks + rounds * core_round + gate_rounds * gate + router)
+        P, K = cfg.n_prelude * prelude, cfg.n_core
+        skip_p = min(skip_visits, P)
+        skip_c = min(max(skip_visits - P, 0), rounds * K)
+        skip_k = min(max(skip_visits - P - rounds * K, 0), readouts * cfg.n_coda)
+        blocks = P + readouts * cfg.n_coda - skip_p - skip_k
+        core_visits = rounds * K - skip_c
+        products = (n * (2 * block_matmul_params(cfg) * blocks + core_visits * 2 * block_matmul_params(cfg, True)
+                         + rounds * adapter + gate_rounds * gate + router)
                     + (n * readouts if heads is None else heads) * head)
         keys = n * position + n * (n + 1) // 2                          # the columns' position + 1, summed
-        attention = 4 * cfg.n_heads * cfg.head_dim * keys * (blocks + rounds * cfg.n_core)
+        attention = 4 * cfg.n_heads * cfg.head_dim * keys * (blocks + core_visits)
         self.by_phase[phase] = self.by_phase.get(phase, 0.0) + rows * (products + attention)
         self.attention += rows * attention
 

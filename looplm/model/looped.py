@@ -218,15 +218,24 @@ class LoopedLM(nn.Module):
             return ops.linear(torch.cat([s, e], dim=-1), self.adapter.weight)
         return s
 
+    @staticmethod
+    def visit(block: Block, x: Tensor, rope, cache: Any, slot: tuple, ops: Ops) -> Tensor:
+        """One block visit: the block (a module call: FSDP's units hook here), through the backend's tap when
+        it has one (`Ops.tap`: it sees the residual after the visit, and with `known` may supply it instead of
+        the block computing it)."""
+        tap = ops.tap
+        if tap is None:
+            return block(x, rope, cache, slot, ops)
+        known = tap.known(slot) if hasattr(tap, "known") else None
+        return tap(slot, block(x, rope, cache, slot, ops) if known is None else known)
+
     def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
         """One round: inject the input, run the K core blocks (round r picks its own blocks if untied)."""
         K = self.cfg.n_core
         blocks = self.core[(r - 1) * K: r * K] if self.cfg.untied else self.core
         x = self.inject(s, e, ops)
         for i, block in enumerate(blocks):
-            x = block(x, rope, cache, ("core", r, i), ops)   # a module call: FSDP's units hook here
-            if ops.tap is not None:
-                x = ops.tap(("core", r, i), x)
+            x = self.visit(block, x, rope, cache, ("core", r, i), ops)
         return rms_norm(self.state_norm, x) if self.state_norm is not None else x
 
     def routed_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any, weight: Tensor,
@@ -265,14 +274,15 @@ class LoopedLM(nn.Module):
         return chosen, weight, (decision, chosen, kept)
 
     def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
-                last_only: bool = False, tops: dict[int, Tensor] | None = None) -> Tensor:
+                last_only: bool = False, tops: dict[int, Tensor] | None = None, head: bool = True) -> Tensor | None:
         """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
         (B, V) at the last position with last_only (a decode step needs no other). tops: gets
-        round -> the top state after the final norm (feedback's h)."""
+        round -> the top state after the final norm (feedback's h). head=False: the coda only (its cache
+        entries are what is wanted: recirculation's refinement pass), None returned."""
         for i, block in enumerate(self.coda):
-            s = block(s, rope, cache, ("coda", r, i), ops)
-            if ops.tap is not None:
-                s = ops.tap(("coda", r, i), s)
+            s = self.visit(block, s, rope, cache, ("coda", r, i), ops)
+        if not head:
+            return None
         h = s[:, -1] if last_only else s
         if tops is None:
             return self.head_logits(h, ops)
@@ -313,9 +323,7 @@ class LoopedLM(nn.Module):
                 raise ValueError("feedback states given to a model without feedback (recipe [feedback] mode none)")
             x = self.feedback(x, *feedback, generator=generator)
         for i, block in enumerate(self.prelude):
-            x = block(x, rope, cache, ("prelude", 0, i), ops)
-            if ops.tap is not None:
-                x = ops.tap(("prelude", 0, i), x)
+            x = self.visit(block, x, rope, cache, ("prelude", 0, i), ops)
         return x
 
     # -- forward --------------------------------------------------------------------
