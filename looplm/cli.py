@@ -316,12 +316,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculative=args.speculative, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), stop=args.stop,
-        logprobs=args.logprobs, prompt_mode=args.prompt_mode)
+        logprobs=args.logprobs, prompt_mode=args.prompt_mode, recirculation=_recirculate_arg(args))
     if args.no_cache:  # the slow reference: recompute the whole sequence for every token (inference/reference.py)
         from .inference.reference import generate_text
         defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
                         top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                        logit_bias={}, stop=[], logprobs=None, prompt_mode=None)
+                        logit_bias={}, stop=[], logprobs=None, prompt_mode=None, recirculation=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
             from .halting.hazards import parse_exit_policy
@@ -345,7 +345,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _flag(option: str) -> str:
-    return "--missing-kv" if option == "missing" else "--" + option.replace("_", "-")
+    return {"missing": "--missing-kv", "recirculation": "--recirculate"}.get(option, "--" + option.replace("_", "-"))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -366,7 +366,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          prefill_chunk=args.prefill_chunk, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
     engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
                                             decode_cache=args.decode_cache, missing=args.missing_kv,
-                                            speculative=args.speculative).items()
+                                            speculative=args.speculative,
+                                            recirculation=_recirculate_arg(args)).items()
                       if v is not None}
     if args.threads < 0:
         raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
@@ -435,6 +436,152 @@ def cmd_lens(args: argparse.Namespace) -> int:
     else:
         table, text = lens_command(run, rounds, args.data)
     _emit(table, args.json, text)
+    return 0
+
+
+def _recirculation_args(p: argparse.ArgumentParser, prefix: str = "--recirculate-") -> None:
+    """A recirculation setting's mixing options (inference/recirculation.py), the same for every command:
+    `recirculate` names them --beta/--ramp/--schedule, generate and serve --recirculate-beta/-ramp/-schedule."""
+    # no argparse choices: Recirculation validates every field, naming it, and stays the one list of them
+    p.add_argument(f"{prefix}beta", dest="recirculate_beta", metavar="complement|one",
+                   help="the destination's weight: complement (1 - alpha, convex; default) or one (residual addition)")
+    p.add_argument(f"{prefix}ramp", dest="recirculate_ramp", type=int, metavar="N",
+                   help="alpha grows linearly over the first N positions (default 0: the full alpha from the first)")
+    p.add_argument(f"{prefix}schedule", dest="recirculate_schedule", metavar="resume|serial|blockwise",
+                   help="resume (default): exact, position by position, prompts too, the second pass starting "
+                        "after D; serial: exact, the second pass the whole model (the reference); blockwise: each "
+                        "prompt chunk refined at once, an approximation")
+
+
+def _recirculation(args: argparse.Namespace, s: int, d: int, alpha: float, flag: str | None = None) -> Any:
+    """The Recirculation that s, d, alpha and the mixing options (`_recirculation_args`) name: the one
+    builder behind recirculate --s/--d/--alpha and generate/serve --recirculate. `flag`: how the user wrote
+    s, d and alpha, prefixed to a refusal when its message would not say."""
+    from .inference.recirculation import Recirculation
+    given = dict(beta=args.recirculate_beta, ramp=args.recirculate_ramp, schedule=args.recirculate_schedule)
+    try:
+        return Recirculation(source=s, dest=d, alpha=alpha, **{k: v for k, v in given.items() if v is not None})
+    except UserError as err:
+        raise UserError(f"{flag}: {err}" if flag else str(err)) from None
+
+
+def _recirculate_arg(args: argparse.Namespace) -> Any:
+    """generate/serve --recirculate S:D:ALPHA as a Recirculation (None without it; its options alone are
+    refused: they would change nothing)."""
+    spec = args.recirculate
+    if spec is None:
+        alone = [f"--recirculate-{k}" for k in ("beta", "ramp", "schedule")
+                 if getattr(args, f"recirculate_{k}") is not None]
+        if alone:
+            raise UserError(f"{', '.join(alone)}: options of --recirculate S:D:ALPHA, which is not given")
+        return None
+    parts = spec.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        s, d, alpha = int(parts[0]), int(parts[1]), float(parts[2])
+    except ValueError:
+        raise UserError(f"--recirculate {spec!r}: expected S:D:ALPHA (source visit, destination visit D < S, the "
+                        "source's weight), e.g. 9:4:0.15; `looplm recirculate RUN --visits` lists the visits") from None
+    return _recirculation(args, s, d, alpha, f"--recirculate {spec}")
+
+
+def _pairs_arg(text: str) -> list[tuple[int, int]]:
+    """recirculate --pairs S:D,S:D as [(s, d), ...] (each checked by Recirculation and the model later)."""
+    try:
+        pairs = [tuple(int(v) for v in item.split(":")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise UserError(f"--pairs {text!r}: expected comma-separated S:D visit pairs, e.g. 9:4,6:2")
+    return [(p[0], p[1]) for p in pairs]
+
+
+def _floats_arg(text: str, flag: str) -> list[float]:
+    """A comma-separated list of numbers (recirculate --alphas); each alpha is checked by Recirculation."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UserError(f"{flag} {text!r}: expected comma-separated numbers, e.g. 0.1,0.15,0.3")
+    return values
+
+
+# recirculate's options (flag -> argparse dest) and the modes that take each: given to another mode, an
+# option is refused, not ignored
+_RECIRCULATE_OPTIONS = {"--alpha": "alpha", "--schedule": "recirculate_schedule", "--prompt": "prompt",
+                        "--max-new-tokens": "max_new_tokens", "--pairs": "pairs", "--alphas": "alphas", "--out": "out",
+                        "--beta": "recirculate_beta", "--ramp": "recirculate_ramp", "--tokens": "tokens",
+                        "--window": "window", "--data": "data"}
+_HELD_OUT = {"--beta", "--ramp", "--tokens", "--window", "--data"}
+_RECIRCULATE_MODES = {"--visits": set(), "--calibrate": {"--pairs", "--alphas", "--out", *_HELD_OUT},
+                      "--s/--d": {"--alpha", "--schedule", "--prompt", "--max-new-tokens", *_HELD_OUT}}
+
+
+def cmd_recirculate(args: argparse.Namespace) -> int:
+    """`looplm recirculate RUN`: the visit plan (--visits), the calibration sweep (--calibrate), or one
+    setting's held-out perplexity and greedy generations (--s S --d D --alpha A)."""
+    import dataclasses
+    from pathlib import Path
+
+    from .evaluation import recirculation as ev
+    from .model.visits import visit_plan
+    from .runs.checkpoint import load_run
+
+    modes = [m for m, on in (("--visits", args.visits), ("--calibrate", args.calibrate),
+                             ("--s/--d", args.s is not None or args.d is not None)) if on]
+    if len(modes) != 1:
+        raise UserError("looplm recirculate RUN: pass one of --visits, --calibrate or --s S --d D [--alpha A]"
+                        + (f" (got {' and '.join(modes)})" if modes else ""))
+    mode = modes[0]
+    stray = sorted(f for f, dest in _RECIRCULATE_OPTIONS.items()
+                   if getattr(args, dest) is not None and f not in _RECIRCULATE_MODES[mode])
+    if stray:
+        raise UserError(f"{', '.join(stray)}: not an option of recirculate {mode}")
+    if mode == "--s/--d":          # the setting is checked before the run loads
+        if args.s is None or args.d is None:
+            raise UserError("--s S --d D: both visits are needed (`looplm recirculate RUN --visits` lists them)")
+        rc = _recirculation(args, args.s, args.d, 0.15 if args.alpha is None else args.alpha)
+    if mode == "--calibrate":
+        pairs = _pairs_arg(args.pairs) if args.pairs else None
+        alphas = _floats_arg(args.alphas or "0.1,0.15,0.3", "--alphas")
+    run = load_run(args.run, device=args.device)
+    rounds = run.model.nominal_rounds
+    if mode == "--visits":
+        cfg, plan = run.model.cfg, visit_plan(run.model.cfg, rounds)
+        head = (f"{len(plan)} visits at {rounds} rounds: {cfg.n_prelude} prelude + {rounds} x {cfg.n_core} core + "
+                f"{cfg.n_coda} coda (" + ("untied: each round runs its own blocks)" if cfg.untied else
+                                          "looped: every round runs the same core blocks)"))
+        _emit({"rounds": rounds, "untied": bool(cfg.untied), "visits": [dataclasses.asdict(v) for v in plan]},
+              args.json, "\n".join([head, *map(str, plan)]))
+        return 0
+    windows = ev.heldout_windows(run, 4096 if args.tokens is None else args.tokens, args.window, args.data)
+    if mode == "--s/--d":
+        result = ev.evaluate(run, rc, windows)
+        if args.prompt is not None:     # greedy, so the two texts differ only by the recirculation
+            from .inference.engine import generate_for_run
+            n = 32 if args.max_new_tokens is None else args.max_new_tokens
+            result["generation"] = {"prompt": args.prompt, "max_new_tokens": n, "greedy": True, **{
+                name: generate_for_run(run, args.prompt, max_new_tokens=n, exit="fixed", recirculation=r)["text"]
+                for name, r in (("base", None), ("recirculated", rc))}}
+        print(json.dumps(result))
+        return 0
+    out = Path(args.out) if args.out else Path(args.run) / "recirculation"
+    table = ev.calibrate(run, pairs or ev.every_pair(run), alphas, windows, beta=args.recirculate_beta or "complement",
+                         ramp=args.recirculate_ramp or 0, progress=lambda line: print(line, file=sys.stderr))
+    out.mkdir(parents=True, exist_ok=True)
+    files = {k: str(out / f"recirculation_calibration.{k}") for k in ("png", "md", "json")}
+    ev.heatmap(table, files["png"])
+    Path(files["md"]).write_text(ev.markdown(table, args.run, "recirculation_calibration.png") + "\n")
+    Path(files["json"]).write_text(json.dumps(table, indent=1) + "\n")
+    best = table["best"]
+    text = (f"best: s {best['s']} -> d {best['d']} at alpha {best['alpha']:g}: perplexity change "
+            f"{best['change_pct']:+.3f}% ({table['base']['ppl']:.3f} -> {best['ppl']:.3f}) on {table['tokens']} "
+            f"held-out tokens; positive = better, negative = worse"
+            + ("" if best["change_pct"] > 0 else " (no setting improves on the base model)")
+            + f"\nwritten: {files['png']}, {files['md']}, {files['json']}")
+    _emit({**table, "files": files}, args.json, text)
     return 0
 
 
@@ -605,6 +752,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="report each token's log-probability and the N likeliest tokens' (with --json)")
+    g.add_argument("--recirculate", metavar="S:D:ALPHA",
+                   help="recirculation: mix visit S's residual into visit D < S at weight ALPHA and refine each "
+                        "position's history (docs/recirculation.md; `looplm recirculate RUN --visits` lists visits)")
+    _recirculation_args(g)
     g.add_argument("--prompt-mode", choices=("standard", "soft", "fused"),
                    help="a feedback model's prompt mode: standard (no feedback), soft (default: feedback from the "
                         "prompt's end on) or fused (an extra prefill pass with feedback)")
@@ -634,6 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--batch-window-ms", type=float, default=5.0, help="wait this long to fill a batch")
     sv.add_argument("--speculative", metavar="ROUNDS:K",
                     help="self-speculative decoding for every request (one row per batch; batches run in turn)")
+    sv.add_argument("--recirculate", metavar="S:D:ALPHA",
+                    help="recirculation for every request (as generate --recirculate; docs/recirculation.md)")
+    _recirculation_args(sv)
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
                          "(other rows step in between; 0 = a whole prompt at once)")
@@ -684,6 +838,33 @@ def build_parser() -> argparse.ArgumentParser:
     _device_arg(ln)
     ln.add_argument("--json", action="store_true")
     ln.set_defaults(func=cmd_lens)
+
+    rp = sub.add_parser("recirculate", help="recirculation in a frozen model: the visit plan, the (s, d, alpha) "
+                                            "calibration sweep, one setting's held-out perplexity and generations")
+    rp.add_argument("run")
+    rp.add_argument("--visits", action="store_true",
+                    help="print every block visit's index at the run's rounds (prelude, each round's core, coda)")
+    rp.add_argument("--calibrate", action="store_true",
+                    help="sweep (s, d) pairs and alphas on held-out text: writes DIR/recirculation_calibration.png, "
+                         ".md and .json (perplexity change, negative = worse) and prints the best pair")
+    rp.add_argument("--pairs", metavar="S:D,S:D", help="with --calibrate: the pairs to sweep (default every d < s)")
+    rp.add_argument("--alphas", metavar="A,A,...", help="with --calibrate: the alphas (default 0.1,0.15,0.3)")
+    rp.add_argument("--out", metavar="DIR", help="with --calibrate: the folder to write (default RUN/recirculation)")
+    rp.add_argument("--s", type=int, metavar="S", help="one setting: the source visit (prints JSON: held-out loss "
+                                                        "and perplexity with and without, the change)")
+    rp.add_argument("--d", type=int, metavar="D", help="one setting: the destination visit, D < S")
+    rp.add_argument("--alpha", type=float, help="with --s/--d: the source's weight (default 0.15)")
+    _recirculation_args(rp, "--")
+    rp.add_argument("--tokens", type=int, metavar="N", help="held-out tokens to score, rounded up to whole windows "
+                                                            "(default 4096)")
+    rp.add_argument("--window", type=int, metavar="W", help="window length (default the run's data.seq_len; smaller "
+                                                            "cuts each validation window into seq_len // W)")
+    rp.add_argument("--data", help="score this text file or folder instead of the run's validation split")
+    rp.add_argument("--prompt", help="with --s/--d: also generate greedily from this prompt, with and without")
+    rp.add_argument("--max-new-tokens", type=int, metavar="N", help="with --prompt (default 32)")
+    _device_arg(rp)
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(func=cmd_recirculate)
 
     sub.add_parser("recipes", help="list built-in recipes").set_defaults(func=cmd_recipes)
     r = sub.add_parser("recipe", help="recipe tools")

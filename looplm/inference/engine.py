@@ -563,11 +563,13 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                      top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                      stop: Sequence[str] = (), logprobs: int | None = None,
-                     logit_bias: dict[int, float] | None = None, prompt_mode: str | None = None) -> dict[str, Any]:
-    """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details."""
+                     logit_bias: dict[int, float] | None = None, prompt_mode: str | None = None,
+                     recirculation: Recirculation | None = None) -> dict[str, Any]:
+    """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details.
+    `recirculation` (generate --recirculate, recirculate --prompt): the engine refines each position's history."""
     overrides = {k: v for k, v in dict(rounds=rounds, exit=exit, prefill_cache=prefill_cache,
-                                       decode_cache=decode_cache, missing=missing,
-                                       speculative=speculative).items() if v is not None}
+                                       decode_cache=decode_cache, missing=missing, speculative=speculative,
+                                       recirculation=recirculation).items() if v is not None}
     engine = Engine.from_run(run, **overrides)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                             top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -592,6 +594,9 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                                  "decode_flops_per_s": work["decode"] / max(st["decode_s"], 1e-9) if n_dec else 0.0}
     if "speculative" in st:
         result["speculative"] = st["speculative"]
+    if recirculation is not None:
+        import dataclasses
+        result["recirculation"] = dataclasses.asdict(recirculation)
     if out.logprobs is not None:
         result["logprobs"], result["top_logprobs"] = out.logprobs, out.top_logprobs
     return result
