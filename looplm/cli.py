@@ -451,6 +451,9 @@ def _recirculation_args(p: argparse.ArgumentParser, prefix: str = "--recirculate
                    help="resume (default): exact, position by position, prompts too, the second pass starting "
                         "after D; serial: exact, the second pass the whole model (the reference); blockwise: each "
                         "prompt chunk refined at once, an approximation")
+    p.add_argument(f"{prefix}mixer", dest="recirculate_mixer", metavar="PATH",
+                   help="a trained adaptive mixer (recirculate --train-mixer writes one): its alpha and beta per "
+                        "token replace the fixed ones")
 
 
 def _recirculation(args: argparse.Namespace, s: int, d: int, alpha: float, flag: str | None = None) -> Any:
@@ -458,7 +461,8 @@ def _recirculation(args: argparse.Namespace, s: int, d: int, alpha: float, flag:
     builder behind recirculate --s/--d/--alpha and generate/serve --recirculate. `flag`: how the user wrote
     s, d and alpha, prefixed to a refusal when its message would not say."""
     from .inference.recirculation import Recirculation
-    given = dict(beta=args.recirculate_beta, ramp=args.recirculate_ramp, schedule=args.recirculate_schedule)
+    given = dict(beta=args.recirculate_beta, ramp=args.recirculate_ramp, schedule=args.recirculate_schedule,
+                 mixer=args.recirculate_mixer)
     try:
         return Recirculation(source=s, dest=d, alpha=alpha, **{k: v for k, v in given.items() if v is not None})
     except UserError as err:
@@ -470,7 +474,7 @@ def _recirculate_arg(args: argparse.Namespace) -> Any:
     refused: they would change nothing)."""
     spec = args.recirculate
     if spec is None:
-        alone = [f"--recirculate-{k}" for k in ("beta", "ramp", "schedule")
+        alone = [f"--recirculate-{k}" for k in ("beta", "ramp", "schedule", "mixer")
                  if getattr(args, f"recirculate_{k}") is not None]
         if alone:
             raise UserError(f"{', '.join(alone)}: options of --recirculate S:D:ALPHA, which is not given")
@@ -513,10 +517,12 @@ def _floats_arg(text: str, flag: str) -> list[float]:
 _RECIRCULATE_OPTIONS = {"--alpha": "alpha", "--schedule": "recirculate_schedule", "--prompt": "prompt",
                         "--max-new-tokens": "max_new_tokens", "--pairs": "pairs", "--alphas": "alphas", "--out": "out",
                         "--beta": "recirculate_beta", "--ramp": "recirculate_ramp", "--tokens": "tokens",
-                        "--window": "window", "--data": "data"}
+                        "--window": "window", "--data": "data", "--mixer": "recirculate_mixer",
+                        "--train-mixer": "train_mixer", "--steps": "steps"}
 _HELD_OUT = {"--beta", "--ramp", "--tokens", "--window", "--data"}
 _RECIRCULATE_MODES = {"--visits": set(), "--calibrate": {"--pairs", "--alphas", "--out", *_HELD_OUT},
-                      "--s/--d": {"--alpha", "--schedule", "--prompt", "--max-new-tokens", *_HELD_OUT}}
+                      "--s/--d": {"--alpha", "--schedule", "--prompt", "--max-new-tokens", "--mixer", "--train-mixer",
+                                  "--steps", "--out", *_HELD_OUT}}
 
 
 def cmd_recirculate(args: argparse.Namespace) -> int:
@@ -539,6 +545,13 @@ def cmd_recirculate(args: argparse.Namespace) -> int:
                    if getattr(args, dest) is not None and f not in _RECIRCULATE_MODES[mode])
     if stray:
         raise UserError(f"{', '.join(stray)}: not an option of recirculate {mode}")
+    if mode == "--s/--d":          # --out and --steps belong to --train-mixer, which generates nothing
+        wrong = ([f for f, v in (("--out", args.out), ("--steps", args.steps)) if v is not None] if not args.train_mixer
+                 else [f for f, v in (("--prompt", args.prompt), ("--max-new-tokens", args.max_new_tokens))
+                       if v is not None])
+        if wrong:
+            raise UserError(f"{', '.join(wrong)}: " + ("options of --train-mixer" if not args.train_mixer else
+                                                       "not taken with --train-mixer (it trains and scores mixers)"))
     if mode == "--s/--d":          # the setting is checked before the run loads
         if args.s is None or args.d is None:
             raise UserError("--s S --d D: both visits are needed (`looplm recirculate RUN --visits` lists them)")
@@ -557,6 +570,8 @@ def cmd_recirculate(args: argparse.Namespace) -> int:
               args.json, "\n".join([head, *map(str, plan)]))
         return 0
     windows = ev.heldout_windows(run, 4096 if args.tokens is None else args.tokens, args.window, args.data)
+    if mode == "--s/--d" and args.train_mixer:
+        return _train_mixers(args, run, rc, windows)
     if mode == "--s/--d":
         result = ev.evaluate(run, rc, windows)
         if args.prompt is not None:     # greedy, so the two texts differ only by the recirculation
@@ -582,6 +597,43 @@ def cmd_recirculate(args: argparse.Namespace) -> int:
             + ("" if best["change_pct"] > 0 else " (no setting improves on the base model)")
             + f"\nwritten: {files['png']}, {files['md']}, {files['json']}")
     _emit({**table, "files": files}, args.json, text)
+    return 0
+
+
+def _train_mixers(args: argparse.Namespace, run: Any, rc: Any, windows: Any) -> int:
+    """recirculate --s S --d D --train-mixer KIND[,KIND...]: the seeds' ablation (train/mixer.py
+    `mixer_ablation`) — each kind trained through the recurrence, the model frozen, on the first half of the
+    held-out windows and scored on the second half beside the base model and the fixed mix; each mixer saved
+    as OUT/mixer-KIND.safetensors (default OUT: RUN/recirculation), for --mixer / --recirculate-mixer."""
+    from pathlib import Path
+
+    import torch
+
+    from .model.mixer import KINDS, save_mixer
+    from .train.mixer import mixer_ablation
+    kinds = [k.strip() for k in args.train_mixer.split(",") if k.strip()]
+    if not kinds or any(k not in KINDS for k in kinds):
+        raise UserError(f"--train-mixer {args.train_mixer!r}: expected one or more of {', '.join(KINDS)}")
+    if rc.mixer is not None or rc.schedule == "blockwise":
+        raise UserError("--train-mixer trains new mixers through an exact schedule: without --mixer, with "
+                        "--schedule resume or serial")
+    steps = 100 if args.steps is None else args.steps
+    if steps < 1:
+        raise UserError(f"--steps {steps}: must be >= 1")
+    x, y = (torch.cat(parts) for parts in zip(*windows))
+    rows = torch.cat([x, y[:, -1:]], 1)                                 # (N, window + 1): inputs and targets
+    half = rows.shape[0] // 2
+    if half < 1:
+        raise UserError("--train-mixer: needs at least two held-out windows (raise --tokens or lower --window)")
+    res = mixer_ablation(run.model, rc, rows[:half], rows[half:], tuple(kinds), steps=steps)
+    out = Path(args.out) if args.out else Path(args.run) / "recirculation"
+    out.mkdir(parents=True, exist_ok=True)
+    for kind, r in res["kinds"].items():
+        r["file"] = str(out / f"mixer-{kind}.safetensors")
+        save_mixer(r.pop("mixer"), r["file"], {k: v for k, v in r.items() if k != "file"})
+    res.update(s=rc.source, d=rc.dest, train_windows=half, scored_tokens=rows[half:, 1:].numel(),
+               note="change_nats: held-out loss minus the base model's (negative = better)")
+    print(json.dumps(res))
     return 0
 
 
@@ -849,7 +901,8 @@ def build_parser() -> argparse.ArgumentParser:
                          ".md and .json (perplexity change, negative = worse) and prints the best pair")
     rp.add_argument("--pairs", metavar="S:D,S:D", help="with --calibrate: the pairs to sweep (default every d < s)")
     rp.add_argument("--alphas", metavar="A,A,...", help="with --calibrate: the alphas (default 0.1,0.15,0.3)")
-    rp.add_argument("--out", metavar="DIR", help="with --calibrate: the folder to write (default RUN/recirculation)")
+    rp.add_argument("--out", metavar="DIR", help="with --calibrate or --train-mixer: the folder to write (default "
+                                                 "RUN/recirculation)")
     rp.add_argument("--s", type=int, metavar="S", help="one setting: the source visit (prints JSON: held-out loss "
                                                         "and perplexity with and without, the change)")
     rp.add_argument("--d", type=int, metavar="D", help="one setting: the destination visit, D < S")
@@ -862,6 +915,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--data", help="score this text file or folder instead of the run's validation split")
     rp.add_argument("--prompt", help="with --s/--d: also generate greedily from this prompt, with and without")
     rp.add_argument("--max-new-tokens", type=int, metavar="N", help="with --prompt (default 32)")
+    rp.add_argument("--train-mixer", metavar="KIND[,KIND...]",
+                    help="with --s/--d: train adaptive mixers (conditional_vector, conditional_scalar, constant_vector, "
+                         "constant_scalar) through the recurrence, the model frozen, on half the held-out windows; "
+                         "score them on the other half beside the fixed mix; save each as OUT/mixer-KIND.safetensors")
+    rp.add_argument("--steps", type=int, metavar="N", help="with --train-mixer: AdamW steps per mixer (default 100)")
     _device_arg(rp)
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(func=cmd_recirculate)

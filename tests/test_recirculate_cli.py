@@ -166,3 +166,36 @@ def test_serve_passes_recirculation_to_its_engine(run_dir, capsys, monkeypatch):
 def test_refusals_exit_2_naming_the_field(run_dir, capsys, argv, message):
     code, out, err = cli(capsys, *[run_dir if a == "RUN" else a for a in argv])
     assert code == 2 and message in err and out == ""
+
+
+def test_train_mixer_saves_mixers_that_generate_uses_and_scores_them_against_the_fixed_mix(run_dir, capsys, tmp_path):
+    """--train-mixer: the model's weights untouched, each kind saved, its held-out loss equal to the eager
+    schedule's with the saved mixer recomputed here; generate --recirculate-mixer equals the Engine so
+    configured; options of the wrong mode refused."""
+    from looplm.model.mixer import load_mixer
+    from looplm.train.mixer import heldout_loss
+    run = looplm.load_run(run_dir)
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    code, out, err = cli(capsys, "recirculate", run_dir, "--s", 6, "--d", 2, "--train-mixer",
+                         "constant_scalar,conditional_vector", "--steps", 2, "--tokens", 128, "--window", 16,
+                         "--out", tmp_path)
+    assert code == 0, err
+    res = json.loads(out)
+    assert set(res["kinds"]) == {"constant_scalar", "conditional_vector"} and res["train_windows"] == 4
+    d = run.model.cfg.d_model
+    assert res["kinds"]["conditional_vector"]["matrix_weights"] == 5 * d * d
+    assert all(torch.equal(before[k], v) for k, v in looplm.load_run(run_dir).model.state_dict().items())
+    from looplm.evaluation.recirculation import heldout_windows
+    x, y = (torch.cat(p) for p in zip(*heldout_windows(run, 128, 16)))
+    rows = torch.cat([x, y[:, -1:]], 1)[4:]
+    mixer = load_mixer(tmp_path / "mixer-conditional_vector.safetensors", d)
+    again = heldout_loss(run.model.eval(), Recirculation(source=6, dest=2), rows, mixer)
+    assert again == pytest.approx(res["kinds"]["conditional_vector"]["loss"], abs=1e-6)
+    path = str(tmp_path / "mixer-conditional_vector.safetensors")
+    code, out, _ = cli(capsys, "generate", run_dir, "--prompt", "ab", "--max-new-tokens", 4, "--json",
+                       "--recirculate", "6:2:0.15", "--recirculate-mixer", path)
+    want = Engine.from_run(run, exit="fixed", recirculation=Recirculation(source=6, dest=2, mixer=path)).generate(
+        ["ab"], SamplingParams(max_new_tokens=4))[0].tokens
+    assert code == 0 and json.loads(out)["tokens"] == want
+    assert cli(capsys, "recirculate", run_dir, "--s", 6, "--d", 2, "--steps", 3)[0] == 2
+    assert cli(capsys, "recirculate", run_dir, "--s", 6, "--d", 2, "--train-mixer", "wide")[0] == 2
