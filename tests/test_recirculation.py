@@ -219,3 +219,32 @@ def test_the_resume_schedule_equals_the_serial_reference_and_skips_the_visits_up
     T, n = x.shape[1], 5
     # position 0: alpha_0 = 0 with the ramp, no second pass; then every position's second pass skips d + 1 visits
     assert got["serial calls"] == T * n + (T - 1) * n and got["resume calls"] == T * n + (T - 1) * (n - d - 1)
+
+
+def test_blockwise_refines_the_prompt_as_one_chunk_and_its_resumed_pass_equals_a_full_one():
+    """Blockwise written out on the plain engine: the prompt as one chunk (its visits d and s captured), the
+    mix, the whole chunk again with the mix at d (a full second pass); then the next column decoded the
+    same way. The engine's blockwise (second pass resumed after d) gives the same logits."""
+    from looplm.inference.recirculation import mix as mix_fn
+    from looplm.model.visits import visit_index
+    model, x = build(LOOPED), ids(10)
+    rc = Recirculation(source=3, dest=1, alpha=0.5, schedule="blockwise")
+    plain = Engine(model, None)
+    k, cache, out = plain.kernels(), plain.new_cache(1, 10), []
+    with torch.inference_mode():
+        for a, b in ((0, 8), (8, 9), (9, 10)):
+            held = {}
+
+            def capture(slot, h):
+                held[visit_index(slot, model.cfg, 3)] = h
+                return h
+            with k.tapping(capture):
+                out.append(plain.chunk(x[:, a:b], a, cache, phase="prefill", all_logits=True).logits)
+            refined = mix_fn(held[1], held[3], 0.5, 0.5)
+            with k.tapping(lambda slot, h: refined if visit_index(slot, model.cfg, 3) == 1 else h):
+                plain.chunk(x[:, a:b], a, cache, phase="prefill", all_logits=True)
+        eng = Engine(model, None, GenerationConfig(recirculation=rc))
+        c2 = eng.new_cache(1, 10)
+        got = [eng.run_chunk(x[:, a:b], a, c2, phase="prefill", all_logits=True).logits for a, b in ((0, 8), (8, 9), (9, 10))]
+    assert all((g - w).abs().max() < 1e-5 for g, w in zip(got, out))
+    assert (out[2] - engine_logits(model, None, x)[None, 9:10]).abs().max() > 1e-3     # it refined something

@@ -238,8 +238,9 @@ def _row_specs(new_tokens: int, quick: bool, peers: bool, device: str = "cpu") -
         specs.append({"engine": "looplm", "batch": 1, "label": "self-speculative 1:4",
                       "config": {"speculative": "1:4"}})
         # recirculation (inference/recirculation.py): the last core visit into the first, two passes per
-        # position; the exact schedule's prompt runs column by column, the blockwise one as one chunk
-        for batch, schedule in ((1, "serial"), (BATCH, "serial"), (1, "blockwise")):
+        # position; the exact schedules' prompts run column by column (resume: the second pass after visit 1,
+        # serial: the whole model again), the blockwise one as one chunk
+        for batch, schedule in ((1, "resume"), (BATCH, "resume"), (1, "serial"), (1, "blockwise")):
             specs.append({"engine": "looplm", "batch": batch, "label": f"recirculation 6->1 alpha 0.15, {schedule}",
                           "config": {"recirculation": {"source": 6, "dest": 1, "alpha": 0.15, "schedule": schedule}}})
     if peers:

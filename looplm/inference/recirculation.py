@@ -59,7 +59,8 @@ class Recirculation:
     schedule: Literal["resume", "serial", "blockwise"] = "resume"
     """resume: exact, position by position, the second pass resuming after d (visits up to d and the LM head
     not recomputed); serial: exact, the second pass the whole model again (the reference resume is tested
-    against); blockwise: each chunk (a prompt) refined at once, an approximation."""
+    against); blockwise: each chunk (a prompt) refined at once, an approximation (its second pass resumes
+    after d too)."""
     mixer: str | None = None
     """A trained adaptive mixer (model/mixer.py, safetensors): its alpha, beta replace the fixed ones
     (alpha's ramp still applies)."""
@@ -131,7 +132,7 @@ def schedule(run_pass: Callable[..., Tensor], rc: Recirculation, cfg: Any, round
     (alpha, beta), the learned coefficients (ramped like alpha)."""
     s_at, d_at = rc.source, rc.dest
     T = idx.shape[1]
-    resume = rc.schedule == "resume"
+    resume = rc.schedule != "serial"              # only the reference recomputes the visits up to d
     spans = [(0, T)] if rc.schedule == "blockwise" else [(c, c + 1) for c in range(T)]
     out: list[Tensor] = []
     for a, b in spans:
