@@ -1,4 +1,4 @@
-"""`looplm check`'s recirculation checks (checks.py) on a tiny model: each passes, each fails on its own bug
+"""`looplm check`'s recirculation checks (checks/recirculation.py) on a tiny model: each passes, each fails on its own bug
 patched into the schedule (inference/recirculation.py) or the engine, and says not applicable where the
 engine cannot recirculate; and the server under recirculation gives each request what the engine gives it
 alone."""

@@ -1,4 +1,4 @@
-"""Evaluation: what a trained run does, measured (the checks, which also train, sit above in looplm/checks.py).
+"""Evaluation: what a trained run does, measured (the checks, which also train, sit above in looplm/checks/).
 
 rounds.py          held-out loss by rounds (`looplm eval`, the report's val_loss_by_rounds)
 early_exit.py      per-token early exit over whole sequences, exit policies and sweeps
