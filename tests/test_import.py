@@ -333,3 +333,32 @@ def test_recirculation_on_an_imported_llama_equals_hf_with_hooks(hf_models, tmp_
     want = _hf_recirculated(hf, ids, s=3, d=1, alpha=0.3)
     assert (got - want).abs().max() < 1e-4
     assert (want - hf(ids).logits).abs().max() > 1e-3            # it refined something
+
+
+def test_recirculate_calibrates_evaluates_and_generates_on_an_imported_llama(hf_models, tmp_path, capsys):
+    """`looplm recirculate` on an imported run, whose text comes with --data: the calibration's cell equals
+    --s/--d's evaluation of the same setting, and generate --recirculate equals the Engine so configured."""
+    from looplm.inference import Engine, SamplingParams
+    from looplm.inference.recirculation import Recirculation
+    _, folder = hf_models["llama"]
+    run_dir = import_hf(folder, tmp_path / "run")
+    text = tmp_path / "text.txt"
+    text.write_text("the loop runs its rounds; a shared block, read out at the end. " * 40)
+    assert main(["recirculate", str(run_dir), "--visits", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["visits"]) == 4
+    held = ["--tokens", "96", "--window", "32", "--data", str(text)]
+    assert main(["recirculate", str(run_dir), "--calibrate", "--pairs", "3:1", "--alphas", "0.3", "--json",
+                 "--out", str(tmp_path / "cal"), *held]) == 0
+    cell = json.loads(capsys.readouterr().out)["best"]
+    assert (tmp_path / "cal" / "recirculation_calibration.png").exists()
+    assert main(["recirculate", str(run_dir), "--s", "3", "--d", "1", "--alpha", "0.3", *held,
+                 "--prompt", "the loop", "--max-new-tokens", "5"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["recirculated"]["loss"] == pytest.approx(cell["loss"], abs=1e-6) and cell["change_pct"] != 0
+    assert main(["generate", str(run_dir), "--prompt", "the loop", "--max-new-tokens", "5", "--json",
+                 "--recirculate", "3:1:0.3"]) == 0
+    run = looplm.load_run(run_dir)
+    want = Engine.from_run(run, exit="fixed", recirculation=Recirculation(source=3, dest=1, alpha=0.3)).generate(
+        ["the loop"], SamplingParams(max_new_tokens=5))[0]
+    assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens
+    assert one["generation"]["recirculated"] == want.text
