@@ -653,12 +653,19 @@ def cmd_recipe_show(args: argparse.Namespace) -> int:
 
 def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
     from .recipe.config import load_recipe
-    from .experiments.extrapolate import QUICK_OVERRIDES, run_extrapolate, summary_lines
+    from .experiments import extrapolate as ex
 
-    recipe = load_recipe(args.recipe, {**(QUICK_OVERRIDES if args.quick else {}), **_overrides(args.set)})
+    overrides = _overrides(args.set)
+    if "train.seed" in overrides:  # two sources for one decision: refuse rather than pick one silently
+        raise UserError("--set train.seed: the experiment's seeds are --seeds S1,S2,... (default "
+                        f"{','.join(map(str, ex.DEFAULT_SEEDS))})")
+    seeds = ex.parse_seeds(args.seeds) if args.seeds is not None else list(ex.DEFAULT_SEEDS)
+    recipe = load_recipe(args.recipe, {**(ex.QUICK_OVERRIDES if args.quick else {}), **overrides})
     out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = run_extrapolate(recipe, out)
-    text = "\n".join([f"experiment written to {out} (report.md, heatmap_*.png)", *summary_lines(result)])
+    threshold = ex.LOOKUP_THRESHOLD if args.lookup_threshold is None else args.lookup_threshold
+    result = ex.run_extrapolate(recipe, out, seeds=seeds, lookup_threshold=threshold)
+    where = "report.md, heatmap_*.png" if len(seeds) == 1 else "report.md, heatmap_seeds_*.png; each seed in seed-S/"
+    text = "\n".join([f"experiment written to {out} ({where})", *ex.summary_lines(result)])
     _emit(result, args.json, text)
     return 0
 
@@ -948,6 +955,13 @@ def build_parser() -> argparse.ArgumentParser:
         xp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field")
         xp.add_argument("--quick", action="store_true", help=quick)
         xp.add_argument("--json", action="store_true")
+        if name == "extrapolate":
+            xp.add_argument("--seeds", metavar="S1,S2,...",
+                            help="train.seed values, each a full run of every model (default 0,1,2; several: "
+                                 "each in OUT/seed-S, the mean, spread and per-seed values in OUT)")
+            xp.add_argument("--lookup-threshold", type=float, metavar="T",
+                            help="a seed formed the lookup when the looped model's exact match at the largest "
+                                 "trained difficulty and training depth is >= T (default 0.9)")
         xp.set_defaults(func=func)
     return p
 

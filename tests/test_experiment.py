@@ -28,7 +28,9 @@ def quick_run(tmp_path_factory):
     import io
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(["experiment", "extrapolate", "--quick", "--out", str(out), "--json"])
+        # one seed, the recipe's own (what `rescored` reloads): the single-seed layout and keys
+        seed = str(looplm.load_recipe("extrapolate").train.seed)
+        code = main(["experiment", "extrapolate", "--quick", "--seeds", seed, "--out", str(out), "--json"])
     return code, stdout.getvalue(), out
 
 

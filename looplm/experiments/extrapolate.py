@@ -20,12 +20,21 @@ depth. Prompt length is held fixed across difficulties by distractors and report
 Linear probes on the looped model's state after each round show where in depth the answer
 becomes readable. Results: OUT/report.json, OUT/report.md with a table and a heatmap PNG per
 model, and one ordinary run folder per model (OUT/looped, ...).
+
+Whether the in-context lookup forms at all depends on the seed (docs/tasks.md: of three seeds
+of the additive-injection recipe, one formed it), so one seed's table says little about a recipe. With several
+seeds (`--seeds 0,1,2`, the command's default) each seed is the single-seed experiment above in
+OUT/seed-S, and OUT holds the aggregate (`aggregate_seeds`): per model and difficulty x rounds
+the mean, sample std, min, max and every seed's value, and how many seeds formed the lookup by
+one stated criterion (`lookup_verdict`). A seed that did not form it is counted as failed and
+stays in every mean: dropping it would report the recipe as more reliable than it is.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,6 +58,16 @@ QUICK_OVERRIDES: dict[str, Any] = {
     "optim.warmup_steps": 2, "train.threads": 1, "data.task_length": 0, "data.warmup_steps": 2,
 }
 """What --quick sets (before any --set)."""
+
+DEFAULT_SEEDS = (0, 1, 2)
+"""The command's --seeds default: enough to see whether the lookup forms reliably, not just once."""
+
+LOOKUP_THRESHOLD = 0.9
+"""`lookup_verdict`'s default: the looped model's exact match at the largest trained difficulty and
+training depth must reach this. A model without the lookup guesses among the prompt's digits
+(36% at 4 hops with the built-in recipe: docs/tasks.md) and one with it scores ~100% there (the
+seeds that did not form it solved 1 hop and fell to about the guessing level beyond), so 0.9
+separates the two with room on both sides. `run_seed` refuses a threshold at or below the guessing level."""
 
 
 def _say(msg: str, quiet: bool) -> None:
@@ -177,8 +196,91 @@ def _load_model(name: str, out: Path, recipe: Recipe, info: dict[str, Any]) -> t
     return model.eval()
 
 
-def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) -> dict[str, Any]:
-    """Train the looped model and its baselines, evaluate difficulty x rounds, probe, report.
+def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False, seeds: list[int] | None = None,
+                    lookup_threshold: float = LOOKUP_THRESHOLD) -> dict[str, Any]:
+    """The experiment over `seeds` (default: the recipe's train.seed alone).
+
+    One seed is today's single run, written to OUT itself (the layout and keys that scripts and
+    the benchmark read). Several run that experiment once per seed into OUT/seed-S, then write
+    the aggregate to OUT: report.json (the contract's keys with `models` the per-cell mean, and
+    the aggregate under `seeds`), report.md and one heatmap figure per model with a panel per
+    seed and one for the mean."""
+    seeds = check_seeds(list(seeds) if seeds is not None else [recipe.train.seed])
+    if not 0 < lookup_threshold <= 1:
+        raise UserError(f"--lookup-threshold {lookup_threshold}: must be in (0, 1] (exact match)")
+    out = Path(out_dir)
+    if len(seeds) == 1:
+        return run_seed(seed_recipe(recipe, seeds[0]), out, quiet, lookup_threshold)
+    t_start = time.perf_counter()
+    names = ["looped", *recipe.data.baselines]
+    # Refuse before the first seed trains, not when a later seed's folder turns out to be taken.
+    for folder in (out, *(out / f"seed-{s}" for s in seeds)):
+        if _holds_experiment(folder, names):
+            raise UserError(f"--out {out}: {folder} already holds an experiment; choose another folder")
+    per_seed = {}
+    for i, s in enumerate(seeds):
+        _say(f"seed {s} ({i + 1} of {len(seeds)}) into {out / f'seed-{s}'}", quiet)
+        per_seed[s] = run_seed(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold)
+    first = per_seed[seeds[0]]
+    aggregate = aggregate_seeds(per_seed, lookup_threshold)
+    # The setting is the recipe's, not the seed's (a built-in task draws its held-out sets from a
+    # fixed seed; a JSONL file's split does vary, and each seed's folder keeps its own counts), so
+    # the first seed's description of it stands for all; `models` keeps the contract's shape.
+    result = {k: first[k] for k in ("task", "train_difficulty_min", "train_difficulty_max", "eval_difficulty_max",
+                                     "train_rounds", "eval_rounds_max", "prompt_length",
+                                     "eval_examples_per_difficulty", "digit_guess_baseline")}
+    result.update({
+        "models": {m: {dd: {r: c["mean"] for r, c in row.items()} for dd, row in table.items()}
+                   for m, table in aggregate["models"].items()},
+        "seeds": aggregate,
+        "seed_dirs": {str(s): str(out / f"seed-{s}") for s in seeds},
+        "recipe": recipe.to_dict(),
+        "out": str(out),
+        "wall_time_s": time.perf_counter() - t_start,
+    })
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_seed_heatmaps(out, result)
+    write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
+    write_text(out / "report.md", render_seeds_markdown(result, plots))
+    return result
+
+
+def check_seeds(seeds: list[int]) -> list[int]:
+    """Seeds as given, refused when empty or repeated: a repeated seed would train the same models
+    twice and count them as two independent draws."""
+    if not seeds:
+        raise UserError("--seeds: give at least one seed, e.g. 0,1,2")
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds {','.join(map(str, seeds))}: a seed is repeated; each must appear once")
+    if min(seeds) < 0:
+        raise UserError(f"--seeds {','.join(map(str, seeds))}: seeds must be non-negative integers")
+    return seeds
+
+
+def parse_seeds(text: str) -> list[int]:
+    """--seeds S1,S2,...: comma-separated non-negative integers, checked by `check_seeds`."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--seeds {text!r}: expected comma-separated non-negative integers, e.g. 0,1,2") from None
+    return check_seeds(seeds)
+
+
+def seed_recipe(recipe: Recipe, seed: int) -> Recipe:
+    """The recipe with train.seed = seed: weights, batches, depth draws and the baselines' too."""
+    if recipe.train.seed == seed:
+        return recipe
+    return recipe_from_dict(apply_overrides(recipe.to_dict(), {"train.seed": seed}))
+
+
+def _holds_experiment(folder: Path, names: list[str]) -> bool:
+    return (folder / "report.json").exists() or any((folder / n / "checkpoint").exists() for n in names)
+
+
+def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
+             lookup_threshold: float = LOOKUP_THRESHOLD) -> dict[str, Any]:
+    """One seed's experiment (the recipe's train.seed): train the looped model and its baselines,
+    evaluate difficulty x rounds, probe, report into OUT, with the seed's `lookup_verdict`.
 
     With train.threads >= 2 the models train in that many single-threaded worker processes
     (small models use several cores better side by side than through intra-op threads)."""
@@ -189,13 +291,15 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
         raise UserError("recipe field model.untied: must be false; the experiment builds the untied baselines itself")
     out = Path(out_dir)
     names = ["looped", *recipe.data.baselines]
-    if (out / "report.json").exists() or any((out / n / "checkpoint").exists() for n in names):
+    if _holds_experiment(out, names):
         raise UserError(f"--out {out}: already holds an experiment; choose another folder")
     source = TaskSource(recipe)  # validates the task dials before anything trains
     tok = ByteTokenizer()
     d = recipe.data
     eval_rounds_max = d.eval_rounds_max or 2 * recipe.depth.max_rounds
     eval_sets = source.eval_sets(d.eval_examples)
+    guess = digit_guess_baseline(eval_sets)
+    check_lookup_criterion(lookup_threshold, guess, source.train_levels[-1], eval_sets)
     workers = min(recipe.train.threads, len(names)) if recipe.train.threads >= 2 else 1
     # Workers each take a core; evaluation then runs here on one thread (robust on a busy machine).
     torch.set_num_threads(1 if workers > 1 else (recipe.train.threads or torch.get_num_threads()))
@@ -245,7 +349,6 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
                       for dd, v in table.items()} for k, table in raw.items()}
 
     lengths = prompt_tokens_by_difficulty(tok, eval_sets, d.separator)
-    guess = digit_guess_baseline(eval_sets)
     result = {
         "task": d.task,
         "train_difficulty_min": source.train_levels[0],
@@ -264,10 +367,80 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False) ->
         "out": str(out),
         "wall_time_s": time.perf_counter() - t_start,
     }
+    result["lookup"] = lookup_verdict(result, lookup_threshold)
     plots = write_heatmaps(out, result)
     write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
     write_text(out / "report.md", render_markdown(result, plots))
     return result
+
+
+# ---------------------------------------------------------------------------------------
+# Seeds: the lookup criterion and the aggregate
+
+
+def lookup_verdict(result: dict[str, Any], threshold: float = LOOKUP_THRESHOLD) -> dict[str, Any]:
+    """Whether one seed's looped model formed the lookup: exact match at the largest TRAINED
+    difficulty, at the largest training depth, >= threshold.
+
+    A trained cell, so the verdict is about whether training found the mechanism at all; how far
+    it extrapolates is what the tables report, and a seed that learned the lookup but extrapolates
+    poorly must not be counted with one that never learned it. The rounds are capped at the
+    largest evaluated ones (data.eval_rounds_max may be set below the training depth)."""
+    dd = result["train_difficulty_max"]
+    r = min(result["train_rounds"]["max"], result["eval_rounds_max"])
+    acc = result["models"]["looped"][str(dd)][str(r)]
+    return {"model": "looped", "difficulty": dd, "rounds": r, "threshold": threshold, "accuracy": acc,
+            "digit_guess": (result.get("digit_guess_baseline") or {}).get(str(dd)), "formed": acc >= threshold}
+
+
+def check_lookup_criterion(threshold: float, guess: dict[str, float] | None, difficulty: int,
+                           eval_sets: dict[int, list]) -> None:
+    """Refuse, before anything trains, a criterion that cannot be judged or that guessing passes."""
+    if not eval_sets.get(difficulty):
+        raise UserError(f"data.task: no held-out examples at difficulty {difficulty}, the largest trained one, "
+                        "where the lookup criterion is judged")
+    if guess and threshold <= guess[str(difficulty)]:
+        raise UserError(f"--lookup-threshold {threshold}: at or below guessing among the prompt's digits at "
+                        f"difficulty {difficulty} ({guess[str(difficulty)]:.3f}); it would count guessing as a lookup")
+
+
+def criterion_text(lookup: dict[str, Any]) -> str:
+    return (f"{lookup['model']} exact match at difficulty {lookup['difficulty']} (the largest trained) and "
+            f"{lookup['rounds']} rounds (the largest training depth) >= {100 * lookup['threshold']:.0f}%")
+
+
+def aggregate_seeds(per_seed: dict[int, dict[str, Any]], threshold: float = LOOKUP_THRESHOLD) -> dict[str, Any]:
+    """Several seeds' single-seed results -> the aggregate (a pure function of the tables).
+
+    `models`: model -> difficulty -> rounds -> {mean, std (sample, n - 1; None for one seed), min,
+    max, values: {seed: accuracy}}, over every seed; `lookup`: each seed's `lookup_verdict` and how
+    many formed the lookup, the failed ones named. Failed seeds stay in every statistic: the
+    spread across seeds is the finding, and leaving them out would hide it. Every seed must have
+    evaluated the same models and cells (they ran one recipe)."""
+    seeds = list(per_seed)
+    if not seeds:
+        raise ValueError("aggregate_seeds: no seeds")
+    shape = {m: {dd: list(row) for dd, row in t.items()} for m, t in per_seed[seeds[0]]["models"].items()}
+    for s in seeds[1:]:
+        other = {m: {dd: list(row) for dd, row in t.items()} for m, t in per_seed[s]["models"].items()}
+        if other != shape:
+            raise ValueError(f"aggregate_seeds: seed {s} evaluated other models or cells than seed {seeds[0]}")
+
+    def cell(m: str, dd: str, r: str) -> dict[str, Any]:
+        values = [per_seed[s]["models"][m][dd][r] for s in seeds]
+        return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+                "min": min(values), "max": max(values), "values": {str(s): v for s, v in zip(seeds, values)}}
+
+    verdicts = {s: lookup_verdict(per_seed[s], threshold) for s in seeds}
+    lookup = {k: verdicts[seeds[0]][k] for k in ("model", "difficulty", "rounds", "threshold")}
+    lookup.update(criterion=criterion_text(lookup),
+                  per_seed={str(s): {k: v[k] for k in ("accuracy", "digit_guess", "formed")}
+                            for s, v in verdicts.items()},
+                  formed=sum(v["formed"] for v in verdicts.values()), of=len(seeds),
+                  failed_seeds=[s for s in seeds if not verdicts[s]["formed"]])
+    return {"seeds": seeds,
+            "models": {m: {dd: {r: cell(m, dd, r) for r in row} for dd, row in t.items()} for m, t in shape.items()},
+            "lookup": lookup}
 
 
 def digit_guess_baseline(eval_sets: dict[int, list]) -> dict[str, float] | None:
@@ -288,61 +461,134 @@ def _floats(table: dict[str, dict[str, float]]) -> dict[int, dict[int, float]]:
     return {int(dd): {int(r): a for r, a in row.items()} for dd, row in table.items()}
 
 
-def write_heatmaps(out: Path, result: dict[str, Any]) -> list[str]:
-    """One heatmap per model: difficulty (rows) x rounds (columns) -> exact match."""
+def _draw_heatmap(ax, table: dict[str, dict[str, float]], model: str, result: dict[str, Any], title: str):
+    """One panel: difficulty (rows) x rounds (columns) -> exact match, the trained region dashed."""
+    t = _floats(table)
+    dmax, rmax = result["train_difficulty_max"], result["train_rounds"]["max"]
+    diffs = sorted(t)
+    rounds = sorted({r for row in t.values() for r in row})
+    grid = [[t[dd].get(r, math.nan) for r in rounds] for dd in diffs]
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
+                    color="black" if v > 0.6 else "white")
+    ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
+    ax.set_yticks(range(len(diffs)), [str(dd) for dd in diffs])
+    ax.set_xlabel("rounds" if model == "looped" else "fixed depth (rounds of blocks)")
+    ax.set_ylabel("difficulty")
+    # the trained region: difficulties <= dmax (and, looped, rounds <= the training max)
+    y = diffs.index(dmax) + 0.5 if dmax in diffs else len(diffs) - 0.5
+    ax.axhline(y, color="white", linestyle="--", linewidth=1)
+    if model == "looped" and rmax in rounds:
+        ax.axvline(rounds.index(rmax) + 0.5, color="white", linestyle="--", linewidth=1)
+    ax.set_title(title, fontsize=9)
+    return im
+
+
+def _save_panels(path: Path, model: str, result: dict[str, Any], panels: list[tuple[str, dict]]) -> None:
+    """One figure of heatmap panels side by side on one colour scale, so seeds compare at a glance."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = _floats(panels[0][1])
+    n_rounds, n_diffs = len({r for row in first.values() for r in row}), len(first)
+    # at least 2.6 inches a panel: a one-column baseline's axis label must not run into its neighbour's
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, layout="constrained",
+                             figsize=(len(panels) * max(2.6, 1.2 + 0.45 * n_rounds), 1.0 + 0.4 * n_diffs))
+    for ax, (title, table) in zip(axes[0], panels):
+        im = _draw_heatmap(ax, table, model, result, title)
+    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.05 / len(panels))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_heatmaps(out: Path, result: dict[str, Any]) -> list[str]:
+    """One heatmap per model: difficulty (rows) x rounds (columns) -> exact match."""
     names = []
-    dmax, rmax = result["train_difficulty_max"], result["train_rounds"]["max"]
     for model, table in result["models"].items():
-        t = _floats(table)
-        diffs = sorted(t)
-        rounds = sorted({r for row in t.values() for r in row})
-        grid = [[t[dd].get(r, math.nan) for r in rounds] for dd in diffs]
-        fig, ax = plt.subplots(figsize=(1.2 + 0.45 * len(rounds), 1.0 + 0.4 * len(diffs)))
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
-                        color="black" if v > 0.6 else "white")
-        ax.set_xticks(range(len(rounds)), [str(r) for r in rounds])
-        ax.set_yticks(range(len(diffs)), [str(dd) for dd in diffs])
-        ax.set_xlabel("rounds" if model == "looped" else "fixed depth (rounds of blocks)")
-        ax.set_ylabel("difficulty")
-        # the trained region: difficulties <= dmax (and, looped, rounds <= the training max)
-        y = diffs.index(dmax) + 0.5 if dmax in diffs else len(diffs) - 0.5
-        ax.axhline(y, color="white", linestyle="--", linewidth=1)
-        if model == "looped" and rmax in rounds:
-            ax.axvline(rounds.index(rmax) + 0.5, color="white", linestyle="--", linewidth=1)
-        ax.set_title(f"{model}: exact match ({result['task']})", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.05)
-        fig.tight_layout()
-        name = f"heatmap_{model}.png"
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        names.append(name)
+        names.append(f"heatmap_{model}.png")
+        _save_panels(out / names[-1], model, result, [(f"{model}: exact match ({result['task']})", table)])
     return names
 
 
+def write_seed_heatmaps(out: Path, result: dict[str, Any]) -> list[str]:
+    """Per model one figure: a panel per seed (every seed, a failed one marked, never left out)
+    and the mean, from the aggregate under result["seeds"]."""
+    agg = result["seeds"]
+    failed = set(agg["lookup"]["failed_seeds"])
+    names = []
+    for model, cells in agg["models"].items():
+        def panel(key: str) -> dict[str, dict[str, float]]:
+            return {dd: {r: (c["mean"] if key == "mean" else c["values"][key]) for r, c in row.items()}
+                    for dd, row in cells.items()}
+        panels = [(f"{model}, seed {s}" + (" (no lookup)" if model == "looped" and s in failed else ""), panel(str(s)))
+                  for s in agg["seeds"]]
+        panels.append((f"{model}, mean of {len(agg['seeds'])} seeds", panel("mean")))
+        names.append(f"heatmap_seeds_{model}.png")
+        _save_panels(out / names[-1], model, result, panels)
+    return names
+
+
+def _seed_list(seeds: list[int]) -> str:
+    return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+
+
+def lookup_line(result: dict[str, Any]) -> str | None:
+    """How many seeds formed the lookup (several seeds), or whether the one seed did."""
+    if "seeds" in result:
+        lk = result["seeds"]["lookup"]
+        failed = lk["failed_seeds"]
+        return (f"{lk['formed']} of {lk['of']} seeds formed the lookup ({lk['criterion']})"
+                + (f"; failed: {_seed_list(failed)} (counted, and kept in every mean)" if failed else ""))
+    lk = result.get("lookup")
+    if lk is None:
+        return None
+    return (f"the lookup {'formed' if lk['formed'] else 'did not form'}: {100 * lk['accuracy']:.1f}% "
+            f"(criterion: {criterion_text(lk)})")
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
-    """Best accuracy per model at the hardest evaluated difficulty, in words."""
+    """Best accuracy per model at the hardest evaluated difficulty, in words (with several seeds: the
+    best mean and the seeds' range in that cell), and the lookup verdict."""
     top = str(result["eval_difficulty_max"])
+    agg = result.get("seeds")
     lines = []
     for model, table in result["models"].items():
         row = table.get(top, {})
         if row:
             r, acc = max(row.items(), key=lambda kv: (kv[1], -int(kv[0])))
-            lines.append(f"{model}: {100 * acc:.1f}% at difficulty {top} (best over rounds; at {r} rounds)")
-    return lines
+            if agg:
+                c = agg["models"][model][top][r]
+                lines.append(f"{model}: {100 * acc:.1f}% mean of {len(agg['seeds'])} seeds (per seed "
+                             f"{100 * c['min']:.1f}..{100 * c['max']:.1f}%) at difficulty {top} "
+                             f"(best mean over rounds; at {r} rounds)")
+            else:
+                lines.append(f"{model}: {100 * acc:.1f}% at difficulty {top} (best over rounds; at {r} rounds)")
+    verdict = lookup_line(result)
+    return lines + ([verdict] if verdict else [])
 
 
-def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
+def spread_table(cells: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The aggregate's difficulty x rounds cells as Markdown: mean ± sample std [min, max] (%)."""
+    rounds = sorted({int(r) for row in cells.values() for r in row})
+    lines = ["| difficulty \\ rounds | " + " | ".join(map(str, rounds)) + " |", "|---:|" + "---:|" * len(rounds)]
+    for dd in sorted(cells, key=int):
+        row = cells[dd]
+
+        def fmt(c: dict[str, Any]) -> str:
+            std = "" if c["std"] is None else f" ± {100 * c['std']:.0f}"
+            return f"{100 * c['mean']:.0f}{std} [{100 * c['min']:.0f}, {100 * c['max']:.0f}]"
+        lines.append(f"| {dd} | " + " | ".join(fmt(row[str(r)]) if str(r) in row else "" for r in rounds) + " |")
+    return "\n".join(lines)
+
+
+def _setting_lines(result: dict[str, Any]) -> list[str]:
+    """What was trained and evaluated, in words: one seed's report and the seeds' aggregate share it."""
     rec = result["recipe"]
     pl = result["prompt_length"]
-    lines = [
-        f"# Depth extrapolation: {result['task']}", "",
+    return [
         f"Recipe `{rec['name']}`. Trained on difficulties {result['train_difficulty_min']}..{result['train_difficulty_max']} "
         f"for {rec['train']['steps']} steps of {rec['train']['batch_size']} examples; the looped model ran "
         f"{result['train_rounds']['min']}..{result['train_rounds']['max']} rounds in training and is evaluated at "
@@ -356,10 +602,58 @@ def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
            f"{result['train_difficulty_max']} hops; the per-round signal fixes what one round computes (one hop), "
            "so whether more rounds solve longer chains is what the tables below test.", ""]
           if rec["data"].get("round_targets") == "trace" else []),
-        "## Summary", "", *[f"- {s}" for s in summary_lines(result)],
-        *(["- guessing among the prompt's digits would score: " + ", ".join(
-            f"difficulty {k}: {100 * v:.0f}%" for k, v in result["digit_guess_baseline"].items())]
-          if result.get("digit_guess_baseline") else []), "",
+    ]
+
+
+def _percent(v: float | None) -> str:
+    return "" if v is None else f"{100 * v:.0f}"
+
+
+def _guess_lines(result: dict[str, Any]) -> list[str]:
+    guess = result.get("digit_guess_baseline")
+    return ["- guessing among the prompt's digits would score: " + ", ".join(
+        f"difficulty {k}: {100 * v:.0f}%" for k, v in guess.items())] if guess else []
+
+
+def render_seeds_markdown(result: dict[str, Any], plots: list[str]) -> str:
+    """The seeds' report: the lookup count and per-seed verdicts, then per model the spread table
+    and the figure of every seed's heatmap beside the mean."""
+    agg = result["seeds"]
+    lk = agg["lookup"]
+    seeds = agg["seeds"]
+    lines = [
+        f"# Depth extrapolation over {len(seeds)} seeds: {result['task']}", "",
+        f"Seeds (train.seed) {', '.join(map(str, seeds))}: each trained every model on its own batches, "
+        "weights and depth draws, and is the single-seed experiment in its folder ("
+        + ", ".join(f"[seed-{s}](seed-{s}/report.md)" for s in seeds) + ").", "",
+        *_setting_lines(result),
+        "## Did the lookup form?", "",
+        f"Criterion: {lk['criterion']}. A trained cell, so this asks whether training found the lookup at all; "
+        "how far it extrapolates is in the tables below.", "",
+        f"**{lk['formed']} of {lk['of']} seeds formed the lookup**"
+        + (f"; failed: {_seed_list(lk['failed_seeds'])}. Failed seeds are counted and stay in every "
+           "mean, spread and figure below." if lk["failed_seeds"] else "."), "",
+        f"| seed | exact match at difficulty {lk['difficulty']}, {lk['rounds']} rounds (%) "
+        "| digit guess (%) | formed |",
+        "|---:|---:|---:|---|",
+        *(f"| {s} | {100 * v['accuracy']:.1f} | {_percent(v['digit_guess'])} | {'yes' if v['formed'] else 'no'} |"
+          for s, v in lk["per_seed"].items()), "",
+        "## Summary", "", *[f"- {s}" for s in summary_lines(result)], *_guess_lines(result), "",
+    ]
+    for name, cells in agg["models"].items():
+        lines += [f"## {name}: exact match (%), mean ± sample std [min, max] over {len(seeds)} seeds", "",
+                  spread_table(cells), ""]
+        if f"heatmap_seeds_{name}.png" in plots:
+            lines += [f"![heatmap_seeds_{name}.png](heatmap_seeds_{name}.png)", ""]
+    lines += ["Every seed's value in every cell is in report.json under `seeds.models`.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(result: dict[str, Any], plots: list[str]) -> str:
+    lines = [
+        f"# Depth extrapolation: {result['task']}", "",
+        *_setting_lines(result),
+        "## Summary", "", *[f"- {s}" for s in summary_lines(result)], *_guess_lines(result), "",
         "## Models", "", "| model | stored params | block visits per token | train wall s | final train loss |",
         "|---|---:|---:|---:|---:|",
     ]
