@@ -135,6 +135,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
         raise UserError(f"--rounds: this untied baseline runs exactly {run.recipe.depth.rounds} rounds")
+    contrast = _contrast_arg(args, run) if args.contrast else None    # refused before any work
     if run.recipe.data.task and args.batch_size is not None:
         raise UserError("--batch-size regroups a language-model run's validation windows; a task run is scored "
                         "example by example")
@@ -161,6 +162,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     batches = eval_batches_for(run, args.data, batch_size=args.batch_size)
     result: dict[str, Any] = {"rounds": {str(r): v for r, v in evaluate_rounds(run.model, batches, rounds).items()}}
     lines = [f"rounds {r}: loss {v['loss']:.4f} ppl {v['ppl']:.2f}" for r, v in result["rounds"].items()]
+    if contrast is not None:
+        result["contrast"] = rep = _eval_contrast(run.model, batches, contrast, run.recipe.depth.rounds)
+        lines.append(f"contrast {rep['round']}:{rep['beta']} at {rep['final_round']} rounds: loss "
+                     f"{rep['contrast']['loss']:.4f} (plain {rep['plain']['loss']:.4f}), next-token accuracy "
+                     f"{100 * rep['contrast']['accuracy']:.2f}% (plain {100 * rep['plain']['accuracy']:.2f}%)")
     if args.feedback_passes and run.model.feedback is None:
         raise UserError("--feedback-passes: this run has no full-bandwidth feedback (feedback.mode = none)")
     if run.model.feedback is not None:   # the rounds above are the plain pass; feedback's passes at the depth
@@ -203,6 +209,69 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lines += extra_lines
     _emit(result, args.json, "\n".join(lines))
     return 0
+
+
+def _contrast_arg(args: argparse.Namespace, run: Any) -> tuple[int, float]:
+    """eval --contrast ROUND:BETA, checked against the run's depth, and refused where the teacher-forced
+    contrast is not what the run decodes or not implemented (task runs, feedback, routed depths, exits)."""
+    from .inference.engine import check_contrast, parse_contrast
+    contrast = parse_contrast(args.contrast)
+    check_contrast(contrast, run.recipe.depth.rounds)
+    why = ("a task run (exact match of contrastive answers is not implemented; decode them with generate "
+           "--contrast)" if run.recipe.data.task
+           else "full-bandwidth feedback (its decoding carries the plain top state)" if run.model.feedback is not None
+           else "a Mixture-of-Recursions run (each token's final round is its routed depth)"
+           if run.model.cfg.mor != "none"
+           else "--exit/--exit-sweep/--cache-sweep (the contrast is scored at the fixed depth; run them separately)"
+           if args.exit or args.exit_sweep or args.cache_sweep else None)
+    if why:
+        raise UserError(f"--contrast: not available with {why}")
+    return contrast
+
+
+def _eval_contrast(model: Any, batches: Any, contrast: tuple[int, float], depth: int) -> dict[str, Any]:
+    """Teacher-forced loss and next-token (argmax) accuracy at `depth` rounds with the contrastive logits
+    z_R + beta (z_R - z_r) (inference.engine.contrast_logits) beside the plain z_R: the function generate
+    --contrast decodes with. Without a coda (n_coda = 0) z_r is the logit lens, per token, so one forward
+    reading out rounds r and R computes it. With a coda, a decoded token's round-r readout attends to earlier
+    tokens' cached coda entries, which are their round-R ones (one coda slot, last write wins), so no
+    round-synchronous pass computes it: the windows are decoded column by column through the Engine's chunks
+    (as eval --exit does for readout-deciding policies). The initial-state generator is seeded as
+    evaluate_rounds seeds it, so the plain loss equals its loss at `depth`."""
+    import math
+    import torch
+    from .inference.engine import Engine, GenerationConfig, contrast_logits
+    from .model.losses import token_losses
+
+    r, beta = contrast
+    model.eval()
+    device = next(model.parameters()).device
+    by_column = model.cfg.n_coda > 0
+    engine = Engine(model, None, GenerationConfig(rounds=depth, exit="fixed", contrast=contrast)) if by_column else None
+    loss = {"plain": 0.0, "contrast": 0.0}
+    hits = {"plain": 0, "contrast": 0}
+    count = 0
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)                                                  # (B, T) each
+            s0 = model.loop_inputs(x, generator=torch.Generator().manual_seed(count))[2]       # (B, T, d)
+            out = model(x, depth, readout_rounds=(r, depth), initial_state=s0)
+            plain = out.round_logits[depth]                                                    # (B, T, V)
+            if engine is None:
+                contrastive = contrast_logits(plain, out.round_logits[r], beta)
+            else:
+                cache = engine.new_cache(*x.shape)
+                noise = s0 if model.cfg.init_state == "random" else None       # position-indexed, as the engine's
+                contrastive = torch.stack([engine.run_chunk(x[:, c:c + 1], c, cache, noise=noise).logits
+                                           for c in range(x.shape[1])], 1)                     # (B, T, V)
+            for name, z in (("plain", plain), ("contrast", contrastive)):
+                loss[name] += token_losses(z, y).sum().item()
+                hits[name] += int((z.argmax(-1) == y).sum())
+            count += y.numel()
+    return {"round": r, "beta": beta, "final_round": depth, "tokens": count,
+            "method": "column_by_column" if by_column else "forward",
+            **{k: {"loss": loss[k] / count, "ppl": math.exp(min(50.0, loss[k] / count)), "accuracy": hits[k] / count}
+               for k in loss}}
 
 
 def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int:
@@ -316,12 +385,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         speculative=args.speculative, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias), stop=args.stop,
-        logprobs=args.logprobs, prompt_mode=args.prompt_mode, recirculation=_recirculate_arg(args))
+        logprobs=args.logprobs, prompt_mode=args.prompt_mode, recirculation=_recirculate_arg(args),
+        contrast=_contrast_spec(args))
     if args.no_cache:  # the slow reference: recompute the whole sequence for every token (inference/reference.py)
         from .inference.reference import generate_text
         defaults = dict(exit=None, prefill_cache=None, decode_cache=None, missing=None, speculative=None, top_k=0,
                         top_p=1.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                        logit_bias={}, stop=[], logprobs=None, prompt_mode=None, recirculation=None)
+                        logit_bias={}, stop=[], logprobs=None, prompt_mode=None, recirculation=None, contrast=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
             from .halting.hazards import parse_exit_policy
@@ -342,6 +412,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                   temperature=args.temperature, seed=args.seed, rounds=args.rounds, **options)
     _emit(result, args.json, result["text"])
     return 0
+
+
+def _contrast_spec(args: argparse.Namespace) -> tuple[int, float] | None:
+    """generate/serve --contrast ROUND:BETA as (round, beta), None without it (the engine checks the ranges)."""
+    from .inference.engine import parse_contrast
+    return parse_contrast(args.contrast) if args.contrast else None
 
 
 def _flag(option: str) -> str:
@@ -367,7 +443,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
                                             decode_cache=args.decode_cache, missing=args.missing_kv,
                                             speculative=args.speculative,
-                                            recirculation=_recirculate_arg(args)).items()
+                                            recirculation=_recirculate_arg(args),
+                                            contrast=_contrast_spec(args)).items()
                       if v is not None}
     if args.threads < 0:
         raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
@@ -781,6 +858,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stability, e.g. 1,2,4,8,16,30; default 1,2,3)")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
+    e.add_argument("--contrast", metavar="ROUND:BETA",
+                   help="also the held-out loss and next-token accuracy with LoopCD-style logits z_R + BETA (z_R - "
+                        "z_r) at the run's depth R, beside the plain ones (language-model runs; docs/inference.md)")
     e.add_argument("--prompt-mode", metavar="MODE[,MODE...]",
                    help="a task run: exact match of greedy answers decoded by the cached engine in each of these "
                         "prompt modes (standard, soft, fused: as generate --prompt-mode), by difficulty, at the "
@@ -815,6 +895,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recirculation: mix visit S's residual into visit D < S at weight ALPHA and refine each "
                         "position's history (docs/recirculation.md; `looplm recirculate RUN --visits` lists visits)")
     _recirculation_args(g)
+    g.add_argument("--contrast", metavar="ROUND:BETA",
+                   help="LoopCD-style decoding: logits z_R + BETA (z_R - z_r), the final round R's readout extrapolated away "
+                        "from round ROUND's (1 <= ROUND < R, BETA >= 0; fixed depth; docs/inference.md)")
     g.add_argument("--prompt-mode", choices=("standard", "soft", "fused"),
                    help="a feedback model's prompt mode: standard (no feedback), soft (default: feedback from the "
                         "prompt's end on) or fused (an extra prefill pass with feedback)")
@@ -847,6 +930,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--recirculate", metavar="S:D:ALPHA",
                     help="recirculation for every request (as generate --recirculate; docs/recirculation.md)")
     _recirculation_args(sv)
+    sv.add_argument("--contrast", metavar="ROUND:BETA",
+                    help="LoopCD-style decoding for every request (as generate --contrast; docs/inference.md)")
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
                          "(other rows step in between; 0 = a whole prompt at once)")

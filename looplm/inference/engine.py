@@ -60,7 +60,40 @@ from .batch import DecodeBatch
 from .speculative import SpeculativeRun, parse_speculative
 from .recirculation import Recirculation, recirculated_chunk
 
-__all__ = ["ChunkResult", "Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "generate_for_run"]
+__all__ = ["ChunkResult", "Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "check_contrast",
+           "contrast_logits", "generate_for_run", "parse_contrast"]
+
+
+def parse_contrast(spec: str, flag: str = "--contrast") -> tuple[int, float]:
+    """"ROUND:BETA" (generate/serve/eval --contrast) as (round, beta); the ranges are `check_contrast`'s,
+    which needs the depth."""
+    head, sep, tail = str(spec).partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(head), float(tail)
+    except ValueError:
+        raise UserError(f"{flag} {spec!r}: expected ROUND:BETA (an earlier round and the extrapolation "
+                        "coefficient), e.g. 2:0.5") from None
+
+
+def check_contrast(contrast: tuple[int, float], rounds: int, flag: str = "--contrast") -> None:
+    """An earlier round 1 <= r < R to contrast with the final round R, and beta >= 0 (finite): beta < 0
+    would pull towards the shallow readout, r = R is the plain readout, and r > R was never computed."""
+    import math
+    r, beta = contrast
+    if not is_int(r) or not 1 <= r < rounds:
+        raise UserError(f"{flag} {r}:{beta}: the earlier round must satisfy 1 <= ROUND < {rounds} (the final round)")
+    if not math.isfinite(beta) or beta < 0:
+        raise UserError(f"{flag} {r}:{beta}: BETA must be a finite number >= 0 (0 = plain decoding)")
+
+
+def contrast_logits(final: Tensor, early: Tensor, beta: float) -> Tensor:
+    """LoopCD-style contrastive logits z_R + beta (z_R - z_r) = (1 + beta) z_R - beta z_r, in float32
+    (the difference of two nearly equal bf16 logits would lose what it extrapolates); shapes as given,
+    (..., V). The engine's sampling transforms (temperature, penalties, top-k/p) apply after this."""
+    final, early = final.float(), early.float()
+    return final + beta * (final - early)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +119,11 @@ class GenerationConfig:
     """Let prompt tokens exit early too (the prompt then runs token by token)."""
     recirculation: Recirculation | None = None
     """Refine each position's history with a deeper residual (recirculation.py); None: the model as it is."""
+    contrast: tuple[int, float] | None = None
+    """LoopCD-style decoding, (r, beta): every readout's logits become z_R + beta (z_R - z_r), where z_r is
+    the readout (coda, final norm, head: the logit lens) of the state after round r < R and z_R the final
+    round's, in float32 before any sampling transform (`contrast_logits`). Fixed depth only; costs one
+    more coda and head pass per chunk. None: plain decoding."""
 
 
 class ChunkResult(NamedTuple):
@@ -171,6 +209,8 @@ class Engine:
         self.mixer: Any = None         # recirculation's learned coefficients (None: its fixed alpha, beta)
         if config.recirculation is not None:
             self._check_recirculation(config.recirculation)
+        if config.contrast is not None:
+            self._check_contrast(config.contrast)
         self.last_stats: dict[str, Any] = {}
         self._fast: PackedOps | None = None
 
@@ -290,6 +330,21 @@ class Engine:
                else None)
         if why:
             raise UserError(f"recirculation: not available with {why}")
+
+    def _check_contrast(self, contrast: tuple[int, float]) -> None:
+        """What contrastive decoding runs with: a fixed depth R for every token (one final round and one
+        earlier round r to contrast), and no other rewriting of the logits' source. Refused, not ignored."""
+        check_contrast(contrast, self.rounds)
+        why = ("a Mixture-of-Recursions router (each token's final round is its own)"
+               if getattr(self.model, "mor_router", None) is not None
+               else f"the early-exit policy {self.policy} (a token that exits has no final round R to contrast; "
+                    "pass --exit fixed)" if self.adaptive
+               else "--speculative (its drafts and their verification read plain logits)" if self.speculative
+               else "recirculation (its refined passes read out the plain logits)" if self.config.recirculation
+               else "full-bandwidth feedback (its carried top state is the final round's plain readout)"
+               if self.feedback else None)
+        if why:
+            raise UserError(f"--contrast: not available with {why}")
 
     @staticmethod
     def _routed_config(config: GenerationConfig, model: Any) -> GenerationConfig:
@@ -439,17 +494,29 @@ class Engine:
         exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)
         if not exits:
             R = rounds or self.rounds
-            s = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R).state
-            if trace is not None:
-                trace.append((e, s))
             top: dict[int, Tensor] | None = {} if tops is not None else None
-            logits = k.readout(s, rope, cache, R, all_logits, top, head)
+            # contrastive decoding (config.contrast) reads out at its earlier round too, inside the loop: that
+            # readout's coda writes the coda slot, and R's readout, the last, overwrites it with what plain
+            # decoding leaves there (cache.py: one coda slot, last write wins; the core never reads it)
+            contrast = self.config.contrast if head else None
+            if contrast is not None and R != self.rounds:
+                raise ValueError("contrastive decoding runs the engine's depth (Engine._check_contrast refuses drafts)")
+            reads = (R,) if contrast is None else (contrast[0], R)
+            run = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R, readout_rounds=reads,
+                         readout=lambda s, r: k.readout(s, rope, cache, r, all_logits, top, head))
+            if trace is not None:
+                trace.append((e, run.state))
+            logits = run.readouts[R]                                # (B, T, V) with all_logits, else (B, V)
+            if contrast is not None:
+                logits = contrast_logits(logits, run.readouts[contrast[0]], contrast[1])
             if tops is not None:
                 tops.append(top[R] if all_logits else top[R].unsqueeze(1))
             if commit:
                 cache.commit(R)
-            if work is not None:    # the coda runs on every column, the head on the last (on each with all_logits)
-                work.add(work_phase or phase, start, R, columns=T, heads=(T if all_logits else 1) if head else 0,
+            if work is not None:    # the coda runs on every column, the head on the last (on each with all_logits),
+                # once per readout
+                work.add(work_phase or phase, start, R, columns=T, readouts=len(reads),
+                         heads=len(reads) * (T if all_logits else 1) if head else 0,
                          rows=idx.shape[0], skip_visits=skipped)
             return ChunkResult(logits, R)
         if T != 1:
@@ -564,12 +631,14 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                      stop: Sequence[str] = (), logprobs: int | None = None,
                      logit_bias: dict[int, float] | None = None, prompt_mode: str | None = None,
-                     recirculation: Recirculation | None = None) -> dict[str, Any]:
+                     recirculation: Recirculation | None = None,
+                     contrast: tuple[int, float] | None = None) -> dict[str, Any]:
     """`looplm generate`: one prompt through the cached engine; the CONTRACT's JSON shape plus details.
-    `recirculation` (generate --recirculate, recirculate --prompt): the engine refines each position's history."""
+    `recirculation` (generate --recirculate, recirculate --prompt): the engine refines each position's history.
+    `contrast` (generate --contrast, parsed by `parse_contrast`): LoopCD-style logits (GenerationConfig.contrast)."""
     overrides = {k: v for k, v in dict(rounds=rounds, exit=exit, prefill_cache=prefill_cache,
                                        decode_cache=decode_cache, missing=missing, speculative=speculative,
-                                       recirculation=recirculation).items() if v is not None}
+                                       recirculation=recirculation, contrast=contrast).items() if v is not None}
     engine = Engine.from_run(run, **overrides)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, top_k=top_k,
                             top_p=top_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -597,6 +666,8 @@ def generate_for_run(run: Any, prompt: str, *, max_new_tokens: int = 64, tempera
     if recirculation is not None:
         import dataclasses
         result["recirculation"] = dataclasses.asdict(recirculation)
+    if contrast is not None:
+        result["contrast"] = {"round": contrast[0], "beta": contrast[1], "final_round": engine.rounds}
     if out.logprobs is not None:
         result["logprobs"], result["top_logprobs"] = out.logprobs, out.top_logprobs
     return result

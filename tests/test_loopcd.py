@@ -1,0 +1,172 @@
+"""LoopCD-style contrastive decoding (GenerationConfig.contrast, generate/serve/eval --contrast) against
+hand computations from the model's own forward: z = z_R + beta (z_R - z_r), argmax, token by token.
+
+Without a coda, z_r is the logit lens of the forward (`round_logits[r]`). With a coda, a decoded token's
+round-r readout attends to the earlier tokens' cached coda entries, which are their round-R ones (one coda
+slot, last write wins): the hand computation applies `model.readout` to [earlier tokens' round-R states,
+this token's round-r state]; the prompt's prefill reads out round r over the whole prompt (the lens).
+One tiny trained run (2 steps, a coda) serves the CLI tests; the coda-free case uses a fresh model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import looplm
+from conftest import tiny_recipe, write_corpus
+from looplm.cli import main
+from looplm.inference import Engine, SamplingParams
+from looplm.model.looped import initial_noise_table
+
+PROMPT = "def f(x):"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """The tiniest trained run: 1 prelude, 3 rounds x 2 core blocks, 1 coda block."""
+    from looplm.train.trainer import train
+    root = tmp_path_factory.mktemp("loopcd")
+    train(tiny_recipe(**{"data.path": str(write_corpus(root / "corpus")), "train.steps": 2, "model.init_std": 0.3,
+                         "train.checkpoint_every": 2}), root / "run", quiet=True)
+    return root / "run"
+
+
+def cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@torch.no_grad()
+def by_hand(model, ids: list[int], n: int, r: int, beta: float, sign: float = 1.0) -> tuple[list[int], list[float]]:
+    """n greedy tokens and their log-probabilities from whole forwards over the sequence so far (no cache):
+    z_R + beta (z_R - z_r) at the last position, z_r as the engine's cache semantics define it (module doc).
+    `sign` = -1 is a broken implementation (the difference's sign flipped), for the tests' own check."""
+    R = model.nominal_rounds
+    seq, toks, lps = list(ids), [], []
+    for i in range(n):
+        x = torch.tensor([seq])
+        s0 = initial_noise_table(model.cfg, 0)[None, :len(seq)] if model.cfg.init_state == "random" else None
+        out = model(x, R, readout_rounds=(r, R), initial_state=s0, collect_stats=True)
+        zR = out.logits[0, -1].float()
+        if i == 0 or model.cfg.n_coda == 0:          # the prompt's prefill, or no coda: the logit lens
+            zr = out.round_logits[r][0, -1].float()
+        else:                                        # earlier tokens' coda entries are their round-R ones
+            mixed = torch.cat([out.round_states[R - 1][:, :-1], out.round_states[r - 1][:, -1:]], 1)
+            zr = model.readout(mixed, model.rope(0, len(seq)))[0, -1].float()
+        z = zR + sign * beta * (zR - zr)
+        tok = int(z.argmax())
+        toks.append(tok)
+        lps.append(float(torch.log_softmax(z, -1)[tok]))
+        seq.append(tok)
+    return toks, lps
+
+
+def engine_greedy(model, tok, ids, n, contrast):
+    eng = Engine(model, tok, looplm.inference.GenerationConfig(contrast=contrast))
+    out = eng.generate([ids], SamplingParams(max_new_tokens=n, logprobs=0, stop_at_eos=False))[0]
+    return out.tokens, out.logprobs
+
+
+@pytest.mark.parametrize("n_coda", [0, 1])
+def test_engine_greedy_equals_hand_contrast_and_not_a_broken_one(run_dir, n_coda):
+    if n_coda:
+        model = looplm.load_run(run_dir).model
+    else:
+        model = looplm.model.looped.LoopedLM(tiny_recipe(**{"model.n_coda": 0, "model.init_std": 0.3}).model, 3).eval()
+    ids, n, (r, beta) = [5, 17, 3, 9, 11], 8, (1, 1.5)
+    got_t, got_lp = engine_greedy(model, None, ids, n, (r, beta))
+    want_t, want_lp = by_hand(model, ids, n, r, beta)
+    assert got_t == want_t and got_lp == pytest.approx(want_lp, abs=1e-4)
+    plain_t, plain_lp = engine_greedy(model, None, ids, n, None)
+    assert got_lp != pytest.approx(plain_lp, abs=1e-3)                  # the contrast changed something
+    flipped = by_hand(model, ids, n, r, beta, sign=-1.0)
+    wrong_round = by_hand(model, ids, n, 2, beta)
+    assert (flipped[0], flipped[1]) != (got_t, pytest.approx(got_lp, abs=1e-4))
+    assert (wrong_round[0], wrong_round[1]) != (got_t, pytest.approx(got_lp, abs=1e-4))
+
+
+def test_beta_zero_is_plain_decoding_exactly(run_dir):
+    run = looplm.load_run(run_dir)
+    params = SamplingParams(max_new_tokens=6, logprobs=2, temperature=0.9, seed=3)
+    a = Engine.from_run(run, contrast=(2, 0.0)).generate([PROMPT, "x = 1"], params)
+    b = Engine.from_run(run).generate([PROMPT, "x = 1"], params)
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+
+
+def test_generate_contrast_equals_the_engine_and_counts_the_extra_readout(run_dir, capsys):
+    code, out, err = cli(capsys, "generate", run_dir, "--prompt", PROMPT, "--max-new-tokens", 5, "--logprobs", 0,
+                         "--contrast", "1:0.5", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    run = looplm.load_run(run_dir)
+    want = Engine.from_run(run, contrast=(1, 0.5)).generate([PROMPT], SamplingParams(max_new_tokens=5, logprobs=0))[0]
+    assert got["tokens"] == want.tokens and got["contrast"] == {"round": 1, "beta": 0.5, "final_round": 3}
+    code, out, _ = cli(capsys, "generate", run_dir, "--prompt", PROMPT, "--max-new-tokens", 5, "--json")
+    plain = json.loads(out)
+    cfg = run.model.cfg
+    from looplm.model.flops import DecodeWork
+    one, two = DecodeWork(cfg), DecodeWork(cfg)     # one decode column at position 20: 1 vs 2 readouts
+    one.add("decode", 20, 3)
+    two.add("decode", 20, 3, readouts=2, heads=2)
+    extra = two.total() - one.total()
+    assert extra > 0
+    n_dec = got["flops"]["decode"] / max(got["flops_per_token"]["decode"], 1e-9)       # decode tokens
+    assert got["flops"]["decode"] > plain["flops"]["decode"]
+    assert got["flops"]["decode"] - plain["flops"]["decode"] == pytest.approx(
+        n_dec * extra, rel=0.05)   # attention of the extra coda grows with position; tokens are near 20
+
+
+def test_serve_passes_contrast_to_its_engine(run_dir, capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    import looplm.serve
+    seen = {}
+    monkeypatch.setattr(looplm.serve, "serve", lambda run, **kw: seen.update(kw))
+    assert cli(capsys, "serve", run_dir, "--contrast", "2:0.25")[0] == 0
+    assert seen["engine_options"]["contrast"] == (2, 0.25)
+    assert Engine.from_run(looplm.load_run(run_dir), **seen["engine_options"]).config.contrast == (2, 0.25)
+
+
+def test_eval_contrast_equals_column_by_column_hand_computation(run_dir, capsys):
+    code, out, err = cli(capsys, "eval", run_dir, "--rounds", "1,3", "--contrast", "1:0.5", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    rep = got["contrast"]
+    assert rep["method"] == "column_by_column"
+    assert rep["plain"]["loss"] == pytest.approx(got["rounds"]["3"]["loss"], abs=1e-5)
+    run = looplm.load_run(run_dir)
+    from looplm.evaluation.rounds import eval_batches_for
+    model, total, count = run.model, 0.0, 0
+    with torch.no_grad():
+        for x, y in eval_batches_for(run):
+            s0 = model.loop_inputs(x, generator=torch.Generator().manual_seed(count))[2]
+            out = model(x, 3, readout_rounds=(1, 3), initial_state=s0, collect_stats=True)
+            zR, st = out.round_logits[3].float(), out.round_states
+            for t in range(x.shape[1]):       # each column decoded: earlier coda entries are round 3's
+                mixed = torch.cat([st[2][:, :t], st[0][:, t:t + 1]], 1)
+                zr = model.readout(mixed, model.rope(0, t + 1))[:, -1].float()
+                z = zR[:, t] + 0.5 * (zR[:, t] - zr)
+                total += torch.nn.functional.cross_entropy(z, y[:, t], reduction="sum").item()
+            count += y.numel()
+    assert rep["contrast"]["loss"] == pytest.approx(total / count, abs=1e-4)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "RUN", "--prompt", "a", "--contrast", "3:0.5"], "1 <= ROUND < 3"),
+    (["generate", "RUN", "--prompt", "a", "--contrast", "0:0.5"], "1 <= ROUND < 3"),
+    (["generate", "RUN", "--prompt", "a", "--contrast", "1:-0.5"], "BETA must be a finite number >= 0"),
+    (["generate", "RUN", "--prompt", "a", "--contrast", "1"], "expected ROUND:BETA"),
+    (["generate", "RUN", "--prompt", "a", "--contrast", "1:0.5", "--exit", "entropy:1.0"],
+     "--contrast: not available with the early-exit policy"),
+    (["generate", "RUN", "--prompt", "a", "--contrast", "1:0.5", "--speculative", "1:2"],
+     "--contrast: not available with --speculative"),
+    (["generate", "RUN", "--prompt", "a", "--no-cache", "--contrast", "1:0.5"], "it takes none of: --contrast"),
+    (["eval", "RUN", "--contrast", "3:0.5"], "1 <= ROUND < 3"),
+    (["eval", "RUN", "--contrast", "1:0.5", "--exit", "entropy:1.0"], "--contrast: not available with --exit"),
+])
+def test_refusals_exit_2_naming_the_reason(run_dir, capsys, argv, message):
+    code, out, err = cli(capsys, *[run_dir if a == "RUN" else a for a in argv])
+    assert code == 2 and message in err and out == "", err
