@@ -349,12 +349,15 @@ def test_recirculate_calibrates_evaluates_and_generates_on_an_imported_llama(hf_
     held = ["--tokens", "96", "--window", "32", "--data", str(text)]
     assert main(["recirculate", str(run_dir), "--calibrate", "--pairs", "3:1", "--alphas", "0.3", "--json",
                  "--out", str(tmp_path / "cal"), *held]) == 0
-    cell = json.loads(capsys.readouterr().out)["best"]
+    table = json.loads(capsys.readouterr().out)
+    cell = table["best"]
+    assert table["loss"] == cell["loss"] and table["base_loss"] == table["base"]["loss"]      # the CONTRACT's keys
     assert (tmp_path / "cal" / "recirculation_calibration.png").exists()
     assert main(["recirculate", str(run_dir), "--s", "3", "--d", "1", "--alpha", "0.3", *held,
                  "--prompt", "the loop", "--max-new-tokens", "5"]) == 0
     one = json.loads(capsys.readouterr().out)
     assert one["recirculated"]["loss"] == pytest.approx(cell["loss"], abs=1e-6) and cell["change_pct"] != 0
+    assert one["loss"] == one["recirculated"]["loss"] and one["base_loss"] == one["base"]["loss"]
     assert main(["generate", str(run_dir), "--prompt", "the loop", "--max-new-tokens", "5", "--json",
                  "--recirculate", "3:1:0.3"]) == 0
     run = looplm.load_run(run_dir)

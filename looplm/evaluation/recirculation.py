@@ -157,7 +157,9 @@ def evaluate(run: Any, rc: Recirculation, windows: Windows) -> dict[str, Any]:
     return {"s": rc.source, "d": rc.dest, "alpha": rc.alpha, "beta": rc.beta, "ramp": rc.ramp,
             "schedule": rc.schedule, "rounds": run.model.nominal_rounds, "tokens": tokens,
             "window": windows[0][0].shape[1], "base": {"loss": base["loss"], "ppl": base["ppl"]},
-            "recirculated": {"loss": got["loss"], "ppl": got["ppl"]}, "change_pct": change_pct(base["ppl"], got["ppl"]),
+            "recirculated": {"loss": got["loss"], "ppl": got["ppl"]},
+            "loss": got["loss"], "base_loss": base["loss"],                  # the CONTRACT's keys
+            "change_pct": change_pct(base["ppl"], got["ppl"]),
             "change": "(ppl_base - ppl) / ppl_base x 100: positive = better, negative = worse", **extra}
 
 
@@ -198,6 +200,7 @@ def calibrate(run: Any, pairs: Sequence[tuple[int, int]], alphas: Sequence[float
             "alphas": list(alphas), "pairs": [list(p) for p in pairs],
             "visits": [str(v) for v in visit_plan(run.model.cfg, rounds)],
             "cells": cells, "best": best, "blockwise_gap_at_best": gap,
+            "loss": best["loss"], "base_loss": base["loss"],              # the CONTRACT's keys: the best setting's
             "change": "(ppl_base - ppl) / ppl_base x 100: positive = better, negative = worse"}
 
 
