@@ -557,13 +557,16 @@ def _recirculate_arg(args: argparse.Namespace) -> Any:
             raise UserError(f"{', '.join(alone)}: options of --recirculate S:D:ALPHA, which is not given")
         return None
     parts = spec.split(":")
+    mixer = args.recirculate_mixer is not None          # a mixer gives alpha and beta: S:D only
     try:
-        if len(parts) != 3:
+        if len(parts) != (2 if mixer else 3):
             raise ValueError
-        s, d, alpha = int(parts[0]), int(parts[1]), float(parts[2])
+        s, d, alpha = int(parts[0]), int(parts[1]), (0.15 if mixer else float(parts[2]))
     except ValueError:
-        raise UserError(f"--recirculate {spec!r}: expected S:D:ALPHA (source visit, destination visit D < S, the "
-                        "source's weight), e.g. 9:4:0.15; `looplm recirculate RUN --visits` lists the visits") from None
+        raise UserError(f"--recirculate {spec!r}: expected " + (
+            "S:D with --recirculate-mixer (the mixer gives alpha and beta)" if mixer else
+            "S:D:ALPHA (source visit, destination visit D < S, the source's weight), e.g. 9:4:0.15") +
+            "; `looplm recirculate RUN --visits` lists the visits") from None
     return _recirculation(args, s, d, alpha, f"--recirculate {spec}")
 
 
@@ -632,6 +635,8 @@ def cmd_recirculate(args: argparse.Namespace) -> int:
     if mode == "--s/--d":          # the setting is checked before the run loads
         if args.s is None or args.d is None:
             raise UserError("--s S --d D: both visits are needed (`looplm recirculate RUN --visits` lists them)")
+        if args.recirculate_mixer is not None and (args.alpha is not None or args.recirculate_beta is not None):
+            raise UserError("--alpha/--beta: a mixer (--mixer) gives its own alpha and beta per token")
         rc = _recirculation(args, args.s, args.d, 0.15 if args.alpha is None else args.alpha)
     if mode == "--calibrate":
         pairs = _pairs_arg(args.pairs) if args.pairs else None

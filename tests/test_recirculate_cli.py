@@ -193,9 +193,12 @@ def test_train_mixer_saves_mixers_that_generate_uses_and_scores_them_against_the
     assert again == pytest.approx(res["kinds"]["conditional_vector"]["loss"], abs=1e-6)
     path = str(tmp_path / "mixer-conditional_vector.safetensors")
     code, out, _ = cli(capsys, "generate", run_dir, "--prompt", "ab", "--max-new-tokens", 4, "--json",
-                       "--recirculate", "6:2:0.15", "--recirculate-mixer", path)
+                       "--recirculate", "6:2", "--recirculate-mixer", path)
     want = Engine.from_run(run, exit="fixed", recirculation=Recirculation(source=6, dest=2, mixer=path)).generate(
         ["ab"], SamplingParams(max_new_tokens=4))[0].tokens
     assert code == 0 and json.loads(out)["tokens"] == want
     assert cli(capsys, "recirculate", run_dir, "--s", 6, "--d", 2, "--steps", 3)[0] == 2
     assert cli(capsys, "recirculate", run_dir, "--s", 6, "--d", 2, "--train-mixer", "wide")[0] == 2
+    assert cli(capsys, "generate", run_dir, "--prompt", "ab", "--recirculate", "6:2:0.15", "--recirculate-mixer",
+               path)[0] == 2                          # the mixer gives alpha: S:D only
+    assert cli(capsys, "recirculate", run_dir, "--s", 6, "--d", 2, "--alpha", 0.2, "--mixer", path)[0] == 2

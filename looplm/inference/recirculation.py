@@ -62,8 +62,9 @@ class Recirculation:
     against); blockwise: each chunk (a prompt) refined at once, an approximation (its second pass resumes
     after d too)."""
     mixer: str | None = None
-    """A trained adaptive mixer (model/mixer.py, safetensors): its alpha, beta replace the fixed ones
-    (alpha's ramp still applies)."""
+    """A trained adaptive mixer (model/mixer.py, safetensors): its alpha and beta per token replace the fixed
+    alpha and beta, which are then not read (beta must stay the default; the command line refuses an alpha
+    beside a mixer); the ramp still applies to its alpha."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.source, int) and isinstance(self.dest, int)) or not 0 <= self.dest < self.source:
@@ -79,6 +80,8 @@ class Recirculation:
             raise UserError(f"recirculation eps {self.eps}: must be > 0")
         if self.schedule not in ("resume", "serial", "blockwise"):
             raise UserError(f"recirculation --schedule {self.schedule!r}: resume, serial or blockwise")
+        if self.mixer is not None and self.beta != "complement":
+            raise UserError(f"recirculation --beta {self.beta}: a mixer gives its own beta per token")
 
     def check(self, cfg: Any, rounds: int) -> None:
         """The visits exist in a forward at `rounds` rounds."""
@@ -87,13 +90,18 @@ class Recirculation:
             raise UserError(f"recirculation --s {self.source}: this model runs visits 0..{n - 1} at {rounds} rounds "
                             f"(--d in 0..{n - 2}, --s in d+1..{n - 1})")
 
+    def ramp_factor(self, positions: Tensor) -> Tensor:
+        """min(t / ramp, 1) at positions t (B, T), as (B, T, 1) float32 (ones without a ramp)."""
+        f = torch.ones(positions.shape, dtype=torch.float32, device=positions.device)
+        if self.ramp:
+            f = (positions.float() / self.ramp).clamp(max=1.0)
+        return f.unsqueeze(-1)
+
     def weights(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """(alpha_t, beta_t), each (B, T, 1) float32, at positions (B, T)."""
-        a = torch.full(positions.shape, self.alpha, dtype=torch.float32, device=positions.device)
-        if self.ramp:
-            a = a * (positions.float() / self.ramp).clamp(max=1.0)
+        a = self.alpha * self.ramp_factor(positions)
         b = 1.0 - a if self.beta == "complement" else torch.ones_like(a)
-        return a.unsqueeze(-1), b.unsqueeze(-1)
+        return a, b
 
 
 def mix(h_dst: Tensor, h_src: Tensor, alpha: Tensor | float, beta: Tensor | float, eps: float = 1e-6) -> Tensor:
@@ -149,9 +157,8 @@ def schedule(run_pass: Callable[..., Tensor], rc: Recirculation, cfg: Any, round
         positions = (col + torch.arange(b - a, device=pad.device))[None, :] - pad[:, None]    # (B, T')
         alpha, beta = rc.weights(positions.clamp_min(0))
         if mixer is not None:                       # learned coefficients, ramped as the fixed alpha is
-            ramp = alpha / rc.alpha if rc.alpha else torch.ones_like(alpha)
             alpha, beta = mixer(held[d_at], held[s_at])
-            alpha = alpha * ramp
+            alpha = alpha * rc.ramp_factor(positions.clamp_min(0))
         elif not bool(alpha.any()) and not bool((beta != 1).any()):
             continue                                     # the identity: nothing to refine
         refined = mix(held[d_at], held[s_at], alpha, beta, rc.eps)
