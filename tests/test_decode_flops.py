@@ -70,6 +70,8 @@ def _measured(fc) -> float:
     (GATED, {}, [4] * 6),                                     # a gate the fixed depth never evaluates
     ({"exit.policy": "kl:0.1", "exit.exit_in_prefill": True}, {}, [4, 4, 3, 3, 3, 3]),    # prompt columns exit too
     ({"model.mor": "token_choice"}, {}, [2, 4, 4, 4, 4, 2]),  # the router's product on every column
+    ({"feedback.mode": "gate"}, {"prompt_mode": "fused"}, [4] * 6),    # the fusion on every column it ran, two
+    ({"feedback.mode": "gate"}, {"prompt_mode": "standard"}, [4] * 6),  # prompt passes; discarded fusions count
 ])
 def test_plain_decode_flops_equal_pytorchs_count_of_the_same_call(over, options, rounds):
     run = _run(over)

@@ -113,7 +113,7 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
     from ..model.looped import build_model
 
     torch.manual_seed(0)
-    ov = {**BENCH_S, **(QUICK if spec["quick"] else {})}
+    ov = {**BENCH_S, **(QUICK if spec["quick"] else {}), **spec.get("recipe", {})}
     model = build_model(load_recipe("quickstart", overrides=ov)).eval().to(spec.get("device", "cpu"))
     given = dict(spec.get("config", {}))
     if "recirculation" in given:          # JSON carries its fields; the engine takes the validated config
@@ -122,7 +122,7 @@ def setup_looplm(spec: dict[str, Any]) -> tuple[Any, Any]:
     cfg = GenerationConfig(**given)
     engine = Engine(model, None, cfg)
     prompts = _prompts(spec["batch"], model.cfg.vocab_size).tolist()
-    params = SamplingParams(max_new_tokens=spec["new_tokens"], stop_at_eos=False)
+    params = SamplingParams(max_new_tokens=spec["new_tokens"], stop_at_eos=False, prompt_mode=spec.get("prompt_mode"))
     rounds: list[int] = []
     flops: list[float] = []
     last: dict[str, Any] = {}
@@ -243,6 +243,11 @@ def _row_specs(new_tokens: int, quick: bool, peers: bool, device: str = "cpu") -
         for batch, schedule in ((1, "resume"), (BATCH, "resume"), (1, "serial"), (1, "blockwise")):
             specs.append({"engine": "looplm", "batch": batch, "label": f"recirculation 6->1 alpha 0.15, {schedule}",
                           "config": {"recirculation": {"source": 6, "dest": 1, "alpha": 0.15, "schedule": schedule}}})
+        # full-bandwidth feedback (model/feedback.py, gate fusion): the same model with its 2 d^2 fusion weights,
+        # each prompt mode (standard: no feedback; soft: from the prompt's end; fused: an extra prefill pass)
+        for mode in ("standard", "soft", "fused"):
+            specs.append({"engine": "looplm", "batch": 1, "label": f"feedback gate, prompt mode {mode}",
+                          "recipe": {"feedback.mode": "gate"}, "prompt_mode": mode})
     if peers:
         specs += [{"engine": "hf-llama", "batch": 1}, {"engine": "hf-llama", "batch": BATCH},
                   {"engine": "x-transformers", "batch": 1}]

@@ -380,7 +380,9 @@ class Engine:
         """A record of the FLOPs of every column computed (model/flops.py), for `run_chunk(work=...)`.
         A column counts at its cache column: its attention reads every column before it (a row's
         left pad is masked, not skipped)."""
-        return DecodeWork(self.cfg, router_depths=self.model.nominal_rounds if self.cfg.mor != "none" else 0)
+        fb = getattr(self.model, "feedback", None)
+        return DecodeWork(self.cfg, router_depths=self.model.nominal_rounds if self.cfg.mor != "none" else 0,
+                          fusion_weights=sum(p.numel() for p in fb.parameters() if p.dim() == 2) if fb is not None else 0)
 
     # -- preparation ----------------------------------------------------------------------
     def token_ids(self, prompts: Any) -> list[list[int]]:
@@ -517,7 +519,8 @@ class Engine:
                 # once per readout
                 work.add(work_phase or phase, start, R, columns=T, readouts=len(reads),
                          heads=len(reads) * (T if all_logits else 1) if head else 0,
-                         rows=idx.shape[0], skip_visits=skipped)
+                         rows=idx.shape[0], skip_visits=skipped,
+                         fused=feedback[1].numel() if feedback is not None else 0)   # computed for every column
             return ChunkResult(logits, R)
         if T != 1:
             raise ValueError("per-token exits run one column at a time")

@@ -127,23 +127,27 @@ class DecodeWork:
     "draft", "verify", ...): a column a speculative decoder drafts, verifies and throws away is work
     done all the same. `attention` is the part of the total that is QK^T and AV (the rest are the
     weight products, what PyTorch's FLOP counter sees on CPU). `router_depths`: a
-    Mixture-of-Recursions router's width (the model's nominal rounds; see `router_flops`)."""
+    Mixture-of-Recursions router's width (the model's nominal rounds; see `router_flops`).
+    `fusion_weights`: full-bandwidth feedback's matrix weights (model/feedback.py), applied once to each
+    column that ran the fusion (`add(fused=...)`)."""
 
     cfg: object
     by_phase: dict[str, float] = field(default_factory=dict)
     attention: float = 0.0
     router_depths: int = 0
+    fusion_weights: int = 0
 
     def add(self, phase: str, position: int, rounds: int, *, prelude: bool = True, readouts: int = 1,
             heads: int | None = None, gate_rounds: int = 0, columns: int = 1, rows: int = 1,
-            skip_visits: int = 0) -> None:
+            skip_visits: int = 0, fused: int = 0) -> None:
         """`columns` columns from `position` on (0-based; column t attends to t + 1 keys), each: the
         prelude (prelude), `rounds` rounds of the core (and a Mixture-of-Recursions router's products
         for them), `readouts` passes of the coda and the exit gate at `gate_rounds` rounds; `heads`
         LM-head products over the columns (default one per readout of each column; a chunk's readout
         runs the coda on every column and the head on the last); `rows` batch rows of such columns.
         skip_visits: the first visits (model/visits.py order) were not computed (supplied by a tap:
-        recirculation's resumed pass); the rounds' injections still ran."""
+        recirculation's resumed pass); the rounds' injections still ran. fused: columns (over all rows) that ran
+        feedback's fusion (`fusion_weights`; computed for every column given states, plain ones included)."""
         cfg, n = self.cfg, columns
         head, adapter, gate = _pieces(cfg, True)
         router = router_flops(cfg, Visits(rounds=rounds, router_depths=self.router_depths,
@@ -157,9 +161,10 @@ class DecodeWork:
         products = (n * (2 * block_matmul_params(cfg) * blocks + core_visits * 2 * block_matmul_params(cfg, True)
                          + rounds * adapter + gate_rounds * gate + router)
                     + (n * readouts if heads is None else heads) * head)
+        fusion = 2 * self.fusion_weights * fused                          # counted over rows already
         keys = n * position + n * (n + 1) // 2                          # the columns' position + 1, summed
         attention = 4 * cfg.n_heads * cfg.head_dim * keys * (blocks + core_visits)
-        self.by_phase[phase] = self.by_phase.get(phase, 0.0) + rows * (products + attention)
+        self.by_phase[phase] = self.by_phase.get(phase, 0.0) + rows * (products + attention) + fusion
         self.attention += rows * attention
 
     def total(self) -> float:
