@@ -47,6 +47,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "data.path": [("", {}), ("corpus.jsonl", {})],
     "data.depth_by_difficulty": [(False, {}), (True, {"data.task": "chain", "depth.kind": "uniform"})],
     "data.train_length_min": [(0, {}), (2, {})],
+    "data.length_unit": [("", {}), ("tokens", {}), ("items", {"data.item_separator": "; "})],
 }
 
 

@@ -172,6 +172,11 @@ class TaskSource:
         self.task, self.seed, self.length_min = d.task, recipe.train.seed, d.train_length_min
         self.separator = d.separator
         self.builtin = is_builtin(d.task)
+        # JSONL length dials (data.length_unit): lines by difficulty, then by prompt length in that unit
+        self.length_unit, self.item_separator = d.length_unit, d.item_separator
+        self._length_pool: dict[int, dict[int, list[Example]]] | None = None
+        self.length_top: int | None = None       # JSONL: the longest training prompt the length dials allow
+        self.train_length_counts: dict[int, dict[int, int]] = {}  # JSONL: training lines by difficulty, then length
         self.unused_counts: dict[int, int] = {}  # JSONL lines outside difficulty_min..the evaluated maximum
         self.levelled = True                     # False: a JSONL file whose lines give no "difficulty"
         if self.builtin and d.round_targets == "trace" and d.task not in TRACERS:
@@ -199,6 +204,9 @@ class TaskSource:
             self._eval_pool: dict[int, list[Example]] = {}
         else:
             self._split_file(read_task_file(d.task, recipe, traces=d.round_targets == "trace"), d)
+            self._check_difficulty_dials(recipe)
+            if self.length_unit:
+                self._select_lengths(d)
         # training examples per difficulty (None for a generator: fresh ones every batch)
         self.train_counts = None if self.builtin else {lv: len(p) for lv, p in sorted(self._train_pool.items())}
 
@@ -211,7 +219,7 @@ class TaskSource:
         whose lines give no "difficulty" has nothing to select: all its lines are difficulty 0,
         and difficulty_min/max/eval_difficulty_max other than their defaults are refused rather
         than ignored (a recipe cannot tell a default it left alone from one it set)."""
-        path = d.task   # its prompts are used as written: the recipe refuses the built-in length dials
+        path = d.task   # its prompts are used as written (data.length_unit selects them by length, _select_lengths)
         self.levelled = examples[0].meta["difficulty"] is not None  # read_task_file: on every line or none
         if not self.levelled:
             defaults = DataConfig()
@@ -249,23 +257,102 @@ class TaskSource:
         self.train_levels, self.eval_levels = sorted(self._train_pool), sorted(self._eval_pool)
         self.length, self.eval_max = None, max(self.eval_levels)
 
+    def _check_difficulty_dials(self, recipe: Recipe) -> None:
+        """A JSONL file: refuse a difficulty schedule that has nothing to schedule (a file without
+        difficulties, or a single trained difficulty) rather than run it as a no-op."""
+        d, path = recipe.data, recipe.data.task
+        if self.levelled and len(self.train_levels) > 1:
+            return
+        why = (f"{path} gives no \"difficulty\" on its lines" if not self.levelled else
+               f"{path} has training lines of one difficulty only ({self.train_levels[0]}) in "
+               f"data.difficulty_min..data.difficulty_max = {d.difficulty_min}..{d.difficulty_max}")
+        if d.curriculum:
+            raise UserError(f"recipe field data.curriculum = {d.curriculum}: {why}, so there is no difficulty to "
+                            f"grow; set it to 0 or train on several difficulties")
+        if d.warmup_steps and not (self.length_unit and d.train_length_min):
+            raise UserError(f"recipe field data.warmup_steps = {d.warmup_steps}: {why}, and no length dial "
+                            f"(data.length_unit with data.train_length_min) gives warm-up shorter prompts, so "
+                            f"warm-up would train what every step trains; set it to 0")
+        if d.depth_by_difficulty and not self.levelled:
+            raise UserError(f"recipe field data.depth_by_difficulty: {why}, so every line reads as difficulty 0 "
+                            f"and there is no depth to match; give every line a \"difficulty\" or set it to false")
+
+    def _select_lengths(self, d: DataConfig) -> None:
+        """A JSONL file with data.length_unit: the training lines the length dials allow, by
+        difficulty and prompt length (that unit). task_length caps the length (0 = the file's
+        longest training prompt); with train_length_min = 0 every training line has exactly
+        task_length (task_length 0: no selection), else a difficulty trains its lines of
+        train_length_min..task_length, from its shortest such line up (see train_length). Every
+        refusal names the field that cannot apply; held-out lines are evaluated whatever their length."""
+        path, unit = d.task, self.length_unit
+        by_length = {lv: _by_length(pool, unit, self.item_separator) for lv, pool in self._train_pool.items()}
+
+        def lengths(lv: int) -> str:
+            return ", ".join(f"{n} ({len(exs)})" for n, exs in by_length[lv].items())
+
+        self.length_top = d.task_length or max(max(b) for b in by_length.values())
+        if not d.train_length_min and not d.task_length:
+            self.train_length_counts = {lv: {n: len(e) for n, e in b.items()} for lv, b in by_length.items()}
+            return   # the unit only records lengths: nothing selected
+        if d.train_length_min > self.length_top:
+            raise UserError(f"recipe field data.train_length_min = {d.train_length_min}: larger than the longest "
+                            f"training prompt allowed, {self.length_top} {unit}"
+                            + (" (data.task_length)" if d.task_length else f" (the longest in {path})"))
+        lo = d.train_length_min or self.length_top
+        pool = {}
+        for lv, b in by_length.items():
+            pool[lv] = {n: exs for n, exs in b.items() if lo <= n <= self.length_top}
+            if not pool[lv]:
+                field = "data.train_length_min" if d.train_length_min else "data.task_length"
+                want = f"{lo}..{self.length_top}" if d.train_length_min else f"exactly {self.length_top}"
+                raise UserError(f"recipe field {field}: {path} has no training line of difficulty {lv} whose prompt is "
+                                f"{want} {unit} long; its training lines by length ({unit}, lines): {lengths(lv)}")
+        if d.length_curriculum and all(len(b) == 1 for b in pool.values()):
+            raise UserError(f"recipe field data.length_curriculum = {d.length_curriculum}: every trained difficulty "
+                            f"of {path} has training lines of one length only in {lo}..{self.length_top} {unit}, so "
+                            f"there is no length to grow; set it to 0")
+        self._length_pool = pool
+        self._train_pool = {lv: [ex for exs in b.values() for ex in exs] for lv, b in pool.items()}
+        self.train_length_counts = {lv: {n: len(e) for n, e in b.items()} for lv, b in pool.items()}
+
+    def length_window(self, level: int, progress: float = 1.0) -> tuple[int, int] | None:
+        """The prompt lengths training can draw at `level` when the length ramp is at `progress`:
+        (lo, hi) with hi raised from lo (progress 0) to the longest allowed (progress 1); None
+        when there is no length dial."""
+        if self.builtin:
+            if not self.length_min:
+                return None
+            lo = min(self.length, max(self.length_min, TASKS[self.task].min_length(level)))
+            return lo, ramp(lo, self.length, progress)
+        if self._length_pool is None:
+            return None
+        lo = min(self._length_pool[level])
+        return lo, ramp(lo, self.length_top, progress)
+
     def train_length(self, level: int, index: int, progress: float = 1.0) -> int | None:
-        """Items per prompt in training micro-batch `index`: task_length, or with data.train_length_min
+        """Prompt length of training micro-batch `index`: task_length, or with data.train_length_min
         drawn per micro-batch from lo = max(train_length_min, the level's minimum) up to a cap that
-        data.length_curriculum raises from lo (progress 0) to task_length (progress 1)."""
-        if not self.builtin or not self.length_min:
-            return self.length
-        lo = min(self.length, max(self.length_min, TASKS[self.task].min_length(level)))
-        hi = lo + math.ceil(progress * (self.length - lo))
-        return random.Random(f"looplm.taskdata/length/{self.seed}/{index}").randint(lo, hi)
+        data.length_curriculum raises from lo (progress 0) to task_length (progress 1). A JSONL file
+        with data.length_unit: the same window, lo being the level's shortest line in
+        train_length_min..task_length, and the length drawn uniformly among its lines' lengths in it
+        (None: no length dial, every training line)."""
+        window = self.length_window(level, progress)
+        if window is None:
+            return self.length if self.builtin or self._length_pool is None else self.length_top
+        rng = random.Random(f"looplm.taskdata/length/{self.seed}/{index}")
+        if self.builtin:
+            return rng.randint(*window)
+        return rng.choice([n for n in self._length_pool[level] if n <= window[1]])
 
     def train_examples(self, level: int, n: int, index: int, progress: float = 1.0) -> list[Example]:
-        """The n examples of training micro-batch `index`, all of difficulty `level`."""
+        """The n examples of training micro-batch `index`, all of difficulty `level` (and, with a JSONL
+        file's length dials, all of one prompt length)."""
+        length = self.train_length(level, index, progress)
         if self.builtin:
-            length = self.train_length(level, index, progress)
             return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, length))
+        pool = self._train_pool[level] if self._length_pool is None else self._length_pool[level][length]
         rng = random.Random(f"looplm.taskdata/batch/{self.seed}/{index}")
-        return rng.choices(self._train_pool[level], k=n)
+        return rng.choices(pool, k=n)
 
     def eval_sets(self, n: int, seed: int = EVAL_SEED, levels: list[int] | None = None) -> dict[int, list[Example]]:
         """Held-out examples by difficulty: n fresh ones per level (a JSONL file: the first n of
@@ -281,6 +368,28 @@ class TaskSource:
             return None
         return sum(len("".join(format_for_training(ex, self.separator)).encode()) for pool in
                    self._train_pool.values() for ex in pool)
+
+
+def ramp(lo: int, top: int, progress: float) -> int:
+    """The longest prompt a length ramp allows at `progress` (0: lo, 1: top)."""
+    return lo + math.ceil(progress * (top - lo))
+
+
+def prompt_length(prompt: str, unit: str, item_separator: str = "") -> int:
+    """A JSONL prompt's length in data.length_unit: its tokens as written (byte tokenizer, as task
+    recipes use), or its non-blank pieces split at data.item_separator."""
+    if unit == "tokens":
+        return len(ByteTokenizer().encode(prompt))
+    if unit == "items":
+        return sum(1 for piece in prompt.split(item_separator) if piece.strip())
+    raise ValueError(f"unknown length unit {unit!r}")
+
+
+def _by_length(examples: list[Example], unit: str, item_separator: str) -> dict[int, list[Example]]:
+    out: dict[int, list[Example]] = {}
+    for ex in examples:
+        out.setdefault(prompt_length(ex.prompt, unit, item_separator), []).append(ex)
+    return dict(sorted(out.items()))
 
 
 def _by_level(examples: list[Example]) -> dict[int, list[Example]]:

@@ -73,6 +73,10 @@ def _builtin_task(task: str) -> bool:
 TASK_DATA = unless("data.task", "")
 BUILTIN_TASK = Condition(("data.task",), _builtin_task, "data.task names a built-in task generator")
 TEXT_DATA = when("data.task", "")
+JSONL_TASK = Condition(("data.task",), lambda t: t != "" and not _builtin_task(t), "data.task names a JSONL file")
+LENGTH_DIALS = Condition(("data.task", "data.length_unit"),
+                         lambda t, unit: _builtin_task(t) or (t != "" and unit != ""),
+                         "data.task names a built-in task generator, or a JSONL file with data.length_unit set")
 STAGE_1 = unless("train.stage", 2)
 
 
@@ -375,15 +379,19 @@ class DataConfig:
     """Task data: smallest training difficulty of a built-in task (hops, overwrites, digits...)."""
     difficulty_max: int = applies(TASK_DATA, default=4)
     """Task data: largest training difficulty of a built-in task."""
-    task_length: int = applies(BUILTIN_TASK, default=0)
-    """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max."""
-    train_length_min: int = applies(BUILTIN_TASK, default=0)
-    """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length)."""
+    task_length: int = applies(LENGTH_DIALS, default=0)
+    """Task data: statements/items per prompt, the same at every difficulty (distractors pad); 0 = the task's default at eval_difficulty_max. A JSONL file (with data.length_unit): the longest training prompt in that unit; 0 = the file's longest."""
+    train_length_min: int = applies(LENGTH_DIALS, default=0)
+    """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length). A JSONL file (with data.length_unit) selects its lines by length instead: 0 = lines of exactly task_length (0: every line); else each micro-batch draws one length uniformly among the difficulty's line lengths in that window and trains on lines of it (evaluation uses every held-out line)."""
+    length_unit: Literal["", "tokens", "items"] = applies(JSONL_TASK, default="")
+    """Task data, a JSONL file: the unit its prompt lengths are counted in for task_length, train_length_min and length_curriculum: tokens (the prompt's tokens as written) or items (non-blank pieces of the prompt split at data.item_separator); empty = no length dials (prompts used as written)."""
+    item_separator: str = applies(JSONL_TASK, when("data.length_unit", "items"), default="")
+    """Task data, data.length_unit = "items": the string between a prompt's statements (e.g. "; " or "\\n")."""
     warmup_steps: int = applies(TASK_DATA, default=0)
     """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
     curriculum: float = applies(TASK_DATA, default=0.0)
     """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all at once)."""
-    length_curriculum: float = applies(BUILTIN_TASK, unless("data.train_length_min", 0), default=0.0)
+    length_curriculum: float = applies(LENGTH_DIALS, unless("data.train_length_min", 0), default=0.0)
     """Task data: with train_length_min, fraction of train.steps, after warmup_steps, over which the longest training prompt grows from the shortest to task_length (0 = all lengths at once)."""
     separator: bool = applies(TASK_DATA, default=True)
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
@@ -415,6 +423,8 @@ class DataConfig:
         _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
         _check(0 <= self.length_curriculum <= 1, "data.length_curriculum", "must lie in [0, 1] (a fraction of train.steps)")
         _check(self.warmup_steps >= 0, "data.warmup_steps", "must be >= 0")
+        _check(self.length_unit != "items" or bool(self.item_separator), "data.item_separator",
+               'must name the string between a prompt\'s statements when data.length_unit = "items"')
         _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
                "data.eval_difficulty_max", f"must be 0 (= 2 x difficulty_max) or >= data.difficulty_min ({self.difficulty_min})")
         _check(self.eval_rounds_max >= 0, "data.eval_rounds_max", "must be >= 0 (0 = 2 x the largest training depth)")
