@@ -67,6 +67,25 @@ def write_corpus(d):
     return d
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """The tiniest trained run, shared by the files that only read it (recirculate, contrast): 1 prelude, 3 rounds
+    x 2 core blocks, 1 coda block (8 visits), 2 steps; tests write their own outputs elsewhere (--out)."""
+    from looplm.train.trainer import train
+    root = tmp_path_factory.mktemp("tiny-run")
+    train(tiny_recipe(**{"data.path": str(write_corpus(root / "corpus")), "train.steps": 2, "model.init_std": 0.3,
+                         "train.checkpoint_every": 2}), root / "run", quiet=True)
+    return root / "run"
+
+
+def cli(capsys, *argv):
+    """(exit code, stdout, stderr) of `looplm ARGV` run in this process."""
+    from looplm.cli import main
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.fixture
 def text_dir(tmp_path):
     """A folder of a few small text documents (stand-in corpus)."""

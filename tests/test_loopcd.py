@@ -15,28 +15,16 @@ import pytest
 import torch
 
 import looplm
-from conftest import tiny_recipe, write_corpus
-from looplm.cli import main
+from conftest import cli, tiny_recipe
 from looplm.inference import Engine, SamplingParams
 from looplm.model.looped import initial_noise_table
 
 PROMPT = "def f(x):"
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """The tiniest trained run: 1 prelude, 3 rounds x 2 core blocks, 1 coda block."""
-    from looplm.train.trainer import train
-    root = tmp_path_factory.mktemp("loopcd")
-    train(tiny_recipe(**{"data.path": str(write_corpus(root / "corpus")), "train.steps": 2, "model.init_std": 0.3,
-                         "train.checkpoint_every": 2}), root / "run", quiet=True)
-    return root / "run"
-
-
-def cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def run_dir(tiny_run):
+    return tiny_run
 
 
 @torch.no_grad()

@@ -16,29 +16,16 @@ import torch
 import torch.nn.functional as F
 
 import looplm
-from conftest import tiny_recipe, write_corpus
-from looplm.cli import main
+from conftest import cli, tiny_recipe
 from looplm.data.text import open_tokens
 from looplm.inference import Engine, GenerationConfig, SamplingParams
 from looplm.inference.recirculation import Recirculation
 from looplm.runs.checkpoint import save_checkpoint, write_text
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """The tiniest trained run: 1 prelude + 3 rounds x 2 core + 1 coda = 8 visits, seq_len 32."""
-    from looplm.train.trainer import train
-    root = tmp_path_factory.mktemp("recirculate")
-    train(tiny_recipe(**{"data.path": str(write_corpus(root / "corpus")), "train.steps": 2, "model.init_std": 0.3,
-                         "train.checkpoint_every": 2}), root / "run", quiet=True)
-    return root / "run"
-
-
-def cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `looplm ARGV` run in this process."""
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture
+def run_dir(tiny_run):
+    return tiny_run
 
 
 def test_visits_lists_prelude_every_rounds_core_and_coda(run_dir, capsys, tmp_path):
