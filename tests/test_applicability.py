@@ -30,7 +30,7 @@ BASE = {"model.d_model": 32, "model.n_heads": 4, "train.steps": 2}
 WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "depth.kind": [("fixed", {}), ("uniform", {}), ("lognormal_poisson", {})],
     "supervision.kind": [("final", {}), ("rounds", {"supervision.rounds": [1]}), ("every", {}),
-                         ("learned_exit", {"exit.gate": True})],
+                         ("learned_exit", {"exit.gate": True}), ("act_mixture", {"exit.gate": True})],
     "supervision.prior": [("none", {}), ("uniform", {}), ("geometric", {})],
     "train.stage": [(1, {}), (2, {"exit.gate": True})],
     "train.parallel": [("none", {}), ("ddp", {})],

@@ -20,6 +20,7 @@ What lives here:
   - weighted_round_loss                                  fixed per-round weights on per-round losses
   - learned_exit_loss / learned_exit_terms               Σ p_t L_t  + entropy (Ouro) or KL (PonderNet)
   - act_mixture                                          ACT's Σ p_t y_t mixture of states/outputs
+  - act_mixture_terms                                    -log Σ p_t P_t(y): one loss on the mixed distribution
   - stage2_gate_loss                                     Ouro Stage II gate training (BCE on improvement)
 (inference-time exit policies and the controller that applies them: controller.py)
 
@@ -268,6 +269,47 @@ def act_mixture(states_or_outputs: torch.Tensor, masses: torch.Tensor) -> torch.
         f"states_or_outputs: expected shape (..., R) or (..., R, D) matching masses {tuple(masses.shape)}, "
         f"got {tuple(y.shape)}"
     )
+
+
+def act_mixture_terms(
+    round_losses: torch.Tensor,
+    masses: torch.Tensor,
+    beta: float,
+    prior: str = "none",
+    geometric_lambda: float = 0.5,
+    reduce: bool = True,
+) -> LearnedExitTerms:
+    """ACT supervision: ONE cross-entropy on the exit-mass mixture of the rounds' output distributions.
+
+    round_losses: (..., R) per-token cross-entropy of each round's own readout, L_t = -log P_t(y).
+    masses:       (..., R) exit masses (from `hazards_to_masses`), broadcastable to round_losses.
+
+    task = -log Σ_t p_t · P_t(y) = -logsumexp_t(log p_t - L_t): the probabilities are mixed (as
+    `act_mixture` mixes outputs, same (..., R) convention), then one loss is taken; that is
+    `-log act_mixture(exp(-L), p)` computed in log space. It is not Σ p_t L_t (`learned_exit_terms`,
+    the expected loss, which is >= this by Jensen), and not the loss of mixed logits.
+
+    Regulariser: the same β·(-H(p)) or β·KL(p ‖ prior) as learned_exit, taken from
+    `learned_exit_terms` itself. We keep it because the mixture alone pays nothing for where the mass
+    sits: it drifts onto the best (usually the last) round and the gate stops saying anything useful
+    for early exit; ACT's ponder cost and PonderNet's prior exist for the same reason. Using the same
+    regulariser also makes act_mixture vs learned_exit a comparison of the task term alone. β = 0
+    gives the bare mixture. Zero masses are clamped to the smallest normal float inside the log, so
+    gradients stay finite (their rounds contribute ~1e-38 of probability).
+    """
+    R = _check_rounds(round_losses, "round_losses")
+    if _check_rounds(masses, "masses") != R:
+        raise ValueError(f"masses has {masses.shape[-1]} rounds but round_losses has {R}")
+    # the regulariser, not re-derived: learned_exit's task term on zero losses is exactly 0
+    reg = learned_exit_terms(torch.zeros_like(round_losses), masses, beta, prior, geometric_lambda,
+                             reduce=False).regulariser
+    log_p = torch.log(masses.clamp_min(torch.finfo(masses.dtype).tiny))
+    task = -torch.logsumexp(log_p - round_losses, dim=-1)            # (...)
+    reg = reg.expand_as(task)
+    total = task + reg
+    if reduce:
+        task, reg, total = task.mean(), reg.mean(), total.mean()
+    return LearnedExitTerms(task=task, regulariser=reg, total=total)
 
 
 def stage2_gate_loss(

@@ -7,8 +7,10 @@ The recipe's `supervision.kind` picks one of:
   is supervised instead and that is counted);
 - every: equal weights over every round run;
 - learned_exit: every round read out, per-token losses weighted by the exit masses of the
-  model's gate, minus an entropy bonus or plus KL to a prior (Ouro stage I).
-Weighted placements always combine per-round *losses*, never losses of averaged states.
+  model's gate, minus an entropy bonus or plus KL to a prior (Ouro stage I);
+- act_mixture: every round read out, ONE cross-entropy on the exit-mass mixture of the rounds' output
+  probabilities (ACT), with learned_exit's regulariser (halting.hazards.act_mixture_terms).
+The other weighted placements combine per-round *losses*; only act_mixture mixes (probabilities, not logits).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from ..recipe.config import SupervisionConfig
 from ..halting import hazards_to_masses, learned_exit_terms
+from ..halting.hazards import act_mixture_terms
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Placement:
 def placement(cfg: SupervisionConfig, rounds_run: int) -> Placement:
     if cfg.kind == "final":
         return Placement((rounds_run,), (1.0,))
-    if cfg.kind in ("every", "learned_exit"):
+    if cfg.kind in ("every", "learned_exit", "act_mixture"):
         return Placement(tuple(range(1, rounds_run + 1)), tuple(1.0 / rounds_run for _ in range(rounds_run)))
     pairs = [(r, w) for r, w in zip(cfg.rounds, cfg.round_weights) if r <= rounds_run and w > 0]
     if not pairs:
@@ -63,12 +66,15 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
     """The training loss for one forward output and what it was made of (for the report).
     round_targets(r) -> (targets, mask) replaces targets/mask at supervised rounds before the final one
     (task traces)."""
-    if cfg.kind == "learned_exit":
+    if cfg.kind in ("learned_exit", "act_mixture"):
         per_round = torch.stack([token_losses(out.round_logits[r], targets, mask)
                                  for r in range(1, out.rounds + 1)], dim=-1)  # (B, T, R)
         masses = hazards_to_masses(out.hazards[..., :out.rounds])              # (B, T, R)
-        terms = learned_exit_terms(per_round, masses, cfg.entropy_beta, cfg.prior, cfg.geometric_lambda,
-                                   reduce=False)
+        terms_of = learned_exit_terms if cfg.kind == "learned_exit" else act_mixture_terms
+        terms = terms_of(per_round, masses, cfg.entropy_beta, cfg.prior, cfg.geometric_lambda, reduce=False)
+        if cfg.kind == "act_mixture" and mask is not None:   # padding adds neither task nor regulariser
+            terms = type(terms)(task=terms.task * mask, regulariser=terms.regulariser * mask,
+                                total=terms.total * mask)
         total = mean_loss(terms.total, mask)
         with torch.no_grad():   # the weight each round's loss carried: its exit mass, averaged over scored tokens
             m = masses if mask is None else masses * mask[..., None]                       # (B, T, R)

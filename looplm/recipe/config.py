@@ -78,6 +78,8 @@ LENGTH_DIALS = Condition(("data.task", "data.length_unit"),
                          lambda t, unit: _builtin_task(t) or (t != "" and unit != ""),
                          "data.task names a built-in task generator, or a JSONL file with data.length_unit set")
 STAGE_1 = unless("train.stage", 2)
+GATE_KINDS = ("learned_exit", "act_mixture")
+"""supervision.kind values whose loss reads the exit gate's masses (stage I)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,20 +283,22 @@ class BackwardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SupervisionConfig:
-    kind: Literal["final", "rounds", "every", "learned_exit"] = applies(
+    kind: Literal["final", "rounds", "every", "learned_exit", "act_mixture"] = applies(
         STAGE_1, unless("data.depth_by_difficulty", True), default="final")
     """Loss placement: final round only; chosen rounds with weights; every round run; learned exit distribution
-    (Ouro). Stage II trains only the gate on its own loss, and data.depth_by_difficulty supervises every round
+    (Ouro: exit masses weight the rounds' losses); act_mixture (ACT: one loss on the exit-mass mixture of the
+    rounds' output probabilities, with learned_exit's regulariser; needs exit.gate). Stage II trains only the gate on its own loss, and data.depth_by_difficulty supervises every round
     from the example's difficulty on, so neither reads this section's placement fields."""
     rounds: tuple[int, ...] = applies(when("supervision.kind", "rounds"), default=())
     """Rounds read out for kind = rounds (1-based). Rounds beyond a step's sampled depth are skipped that step."""
     weights: tuple[float, ...] = applies(when("supervision.kind", "rounds"), default=())
     """One weight per entry of rounds; empty = equal weights. Losses are combined as sum(w*L)/sum(w)."""
-    entropy_beta: float = applies(when("supervision.kind", "learned_exit"), default=0.05)
-    """learned_exit: weight of the entropy bonus (prior = none) or of KL(p || prior)."""
-    prior: Literal["none", "uniform", "geometric"] = applies(when("supervision.kind", "learned_exit"), default="none")
-    """learned_exit regulariser: entropy bonus (none) or KL to a uniform or geometric prior (PonderNet)."""
-    geometric_lambda: float = applies(when("supervision.kind", "learned_exit"), when("supervision.prior", "geometric"),
+    entropy_beta: float = applies(when("supervision.kind", *GATE_KINDS), default=0.05)
+    """learned_exit, act_mixture: weight of the entropy bonus (prior = none) or of KL(p || prior)."""
+    prior: Literal["none", "uniform", "geometric"] = applies(when("supervision.kind", *GATE_KINDS), default="none")
+    """learned_exit, act_mixture regulariser: entropy bonus (none) or KL to a uniform or geometric prior
+    (PonderNet)."""
+    geometric_lambda: float = applies(when("supervision.kind", *GATE_KINDS), when("supervision.prior", "geometric"),
                                       default=0.5)
     """Hazard of the geometric prior."""
     moe_balance: float = applies(unless("model.moe_experts", 0), STAGE_1, default=0.01)
@@ -340,10 +344,11 @@ class SupervisionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExitConfig:
-    gate: bool = applies(Condition(("supervision.kind", "train.stage"), lambda kind, stage: kind == "learned_exit"
-                                   or stage == 2, 'supervision.kind is "learned_exit" or train.stage is 2 '
-                                   "(the only losses that reach the gate)"), default=False)
-    """Give the model an exit gate (dense + sigmoid of the state per round). Required by learned_exit and stage II,
+    gate: bool = applies(Condition(("supervision.kind", "train.stage"), lambda kind, stage: kind in GATE_KINDS
+                                   or stage == 2, 'supervision.kind is "learned_exit" or "act_mixture" or '
+                                   "train.stage is 2 (the only losses that reach the gate)"), default=False)
+    """Give the model an exit gate (dense + sigmoid of the state per round). Required by learned_exit, act_mixture
+    and stage II,
     the only losses that train it; anywhere else it would stay at its initialisation."""
     policy: str = "fixed"
     """Default inference exit policy: fixed (all rounds), fixed:R, quantile:Q, entropy:TAU or kl:EPS."""
@@ -611,14 +616,15 @@ class Recipe:
                    f"must be <= the largest forward depth ({max_r}); got {max(self.supervision.rounds)}")
         _check(self.exit.min_rounds <= max_r, "exit.min_rounds",
                f"must be <= the largest forward depth ({max_r}); got {self.exit.min_rounds}")
-        if self.supervision.kind == "learned_exit":
-            _check(self.exit.gate, "exit.gate", "must be true when supervision.kind = learned_exit")
+        if self.supervision.kind in GATE_KINDS:
+            _check(self.exit.gate, "exit.gate", f"must be true when supervision.kind = {self.supervision.kind}")
         if self.train.stage == 2:
             _check(self.exit.gate, "exit.gate", "must be true for train.stage = 2 (only the gate trains)")
         if self.data.round_targets == "trace":
             _check(bool(self.data.task), "data.round_targets", '"trace" needs task data (data.task)')
-            _check(self.supervision.kind != "learned_exit" and self.train.stage == 1, "data.round_targets",
-                   '"trace" needs per-round supervision: not supervision.kind = learned_exit or train.stage = 2')
+            _check(self.supervision.kind not in GATE_KINDS and self.train.stage == 1, "data.round_targets",
+                   '"trace" needs per-round supervision: not supervision.kind = learned_exit or act_mixture or '
+                   'train.stage = 2')
         if self.model.mor != "none":
             _check(self.depth.kind == "fixed", "model.mor", "needs depth.kind = fixed (the router picks among "
                    "depth.rounds depths)")
@@ -636,10 +642,10 @@ class Recipe:
                     object.__setattr__(self, "model", dataclasses.replace(self.model, mor_capacity=capacity))
                 _check(len(self.model.mor_capacity) == R, "model.mor_capacity",
                        f"needs one share per round (depth.rounds = {R}), got {len(self.model.mor_capacity)}")
-        if self.supervision.kind == "learned_exit" or self.train.stage == 2:
+        if self.supervision.kind in GATE_KINDS or self.train.stage == 2:
             # the last round's exit is forced, so at one round no hazard reaches a loss
             _check(max_r >= 2, "exit.gate", "is trained only through the hazards of rounds before the last: "
-                   f"learned_exit and stage II need a largest forward depth >= 2 (it is {max_r})")
+                   f"learned_exit, act_mixture and stage II need a largest forward depth >= 2 (it is {max_r})")
         if self.feedback.mode != "none":     # what feedback's training does not cover yet: refused, not ignored
             _check(self.train.stage == 1, "feedback.mode", "has no stage II: train.stage = 1")
             _check(not self.train.alignment_every, "train.alignment_every", "measures one pass; not with feedback")

@@ -138,8 +138,9 @@ class Counters:
         return out
 
 
-PLACEMENT_KINDS = ("final", "rounds", "every", "learned_exit", "stage2_gate")
-"""The loss placements a micro-batch can use: supervision.kind's four, and stage II's gate loss."""
+PLACEMENT_KINDS = ("final", "rounds", "every", "learned_exit", "stage2_gate", "act_mixture")
+"""The loss placements a micro-batch can use: supervision.kind's five, and stage II's gate loss (new kinds are
+appended: saved counters store the index)."""
 
 
 def prepare_data(recipe: Recipe, run_dir: Path, resume: bool, write: bool = True):
@@ -274,7 +275,8 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     visits = Visits(rounds=rounds, grad_rounds=len(out.grad_rounds), readouts=len(place.rounds),
                     grad_readouts=len(place.rounds) if stage1 else 0,
                     prelude_grad=stage1 and prelude_receives_gradient(model.cfg, out.grad_rounds),
-                    gate_grad=model.gate is not None and (not stage1 or supervision.kind == "learned_exit"))
+                    gate_grad=model.gate is not None and (not stage1 or supervision.kind in ("learned_exit",
+                                                                                          "act_mixture")))
     # each pass is a whole forward and backward (the later passes' gradients reach the earlier ones)
     counters.train_flops += n_passes * x.numel() * train_flops_per_token(model.cfg, visits, x.shape[1],
                                                                          model.gate is not None)
