@@ -166,8 +166,10 @@ def learned_exit_terms(
     prior: str = "none",
     geometric_lambda: float = 0.5,
     reduce: bool = True,
+    mixture: bool = False,
 ) -> LearnedExitTerms:
-    """Task term Σ_t p_t L_t plus the exit-distribution regulariser, split into parts.
+    """Task term Σ_t p_t L_t plus the exit-distribution regulariser, split into parts (mixture=True: ACT's
+    task term instead, see `act_mixture_terms`; the regulariser is the same).
 
     round_losses: (..., R) per-token LM loss of each round's own readout.
     masses:       (..., R) exit masses (from `hazards_to_masses`), broadcastable to round_losses.
@@ -189,7 +191,10 @@ def learned_exit_terms(
     if _check_rounds(masses, "masses") != R:
         raise ValueError(f"masses has {masses.shape[-1]} rounds but round_losses has {R}")
 
-    task = (masses * round_losses).sum(dim=-1)                      # (...)
+    if mixture:     # -log Σ p_t P_t(y); zero masses clamped inside the log so gradients stay finite
+        task = -torch.logsumexp(torch.log(masses.clamp_min(torch.finfo(masses.dtype).tiny)) - round_losses, dim=-1)
+    else:
+        task = (masses * round_losses).sum(dim=-1)                  # (...)
     if prior == "none":
         regulariser = -beta * _entropy(masses)                      # (...)
     else:
@@ -293,23 +298,11 @@ def act_mixture_terms(
     `learned_exit_terms` itself. We keep it because the mixture alone pays nothing for where the mass
     sits: it drifts onto the best (usually the last) round and the gate stops saying anything useful
     for early exit; ACT's ponder cost and PonderNet's prior exist for the same reason. Using the same
-    regulariser also makes act_mixture vs learned_exit a comparison of the task term alone. β = 0
-    gives the bare mixture. Zero masses are clamped to the smallest normal float inside the log, so
-    gradients stay finite (their rounds contribute ~1e-38 of probability).
+    regulariser also makes act_mixture vs learned_exit a comparison of the task term alone (one function,
+    `learned_exit_terms(mixture=True)`). β = 0 gives the bare mixture. Zero masses are clamped to the
+    smallest normal float inside the log, so gradients stay finite (their rounds contribute ~1e-38).
     """
-    R = _check_rounds(round_losses, "round_losses")
-    if _check_rounds(masses, "masses") != R:
-        raise ValueError(f"masses has {masses.shape[-1]} rounds but round_losses has {R}")
-    # the regulariser, not re-derived: learned_exit's task term on zero losses is exactly 0
-    reg = learned_exit_terms(torch.zeros_like(round_losses), masses, beta, prior, geometric_lambda,
-                             reduce=False).regulariser
-    log_p = torch.log(masses.clamp_min(torch.finfo(masses.dtype).tiny))
-    task = -torch.logsumexp(log_p - round_losses, dim=-1)            # (...)
-    reg = reg.expand_as(task)
-    total = task + reg
-    if reduce:
-        task, reg, total = task.mean(), reg.mean(), total.mean()
-    return LearnedExitTerms(task=task, regulariser=reg, total=total)
+    return learned_exit_terms(round_losses, masses, beta, prior, geometric_lambda, reduce, mixture=True)
 
 
 def stage2_gate_loss(
