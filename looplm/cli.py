@@ -779,6 +779,19 @@ def cmd_experiment_loopmoe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_depth(args: argparse.Namespace) -> int:
+    from .recipe.config import load_recipe
+    from .experiments import depth as dp
+
+    recipe = load_recipe(args.recipe, {**(dp.QUICK if args.quick else {}), **_overrides(args.set)})
+    variants = dp.parse_variants(args.variants, recipe)
+    out = args.out or f"runs/depth-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = dp.run_depth(recipe, out, variants)
+    _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json, depth_safety.png)",
+                                        *dp.summary_lines(result)]))
+    return 0
+
+
 def _cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-cache", help="what prompt tokens keep: full, first, last or average (default full)")
     p.add_argument("--decode-cache", help="what generated tokens keep: full, first, last or average (default full)")
@@ -1038,7 +1051,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("deeploop", "DeepLoop exponents x rounds x seeds: which converge, at what loss", "quickstart",
              "2 exponents x 1 depth x 1 seed, seconds (tests, CI)", cmd_experiment_deeploop),
             ("loopmoe", "dense base, dense loop, untied MoE and LoopMoE at matched training FLOPs", "loopmoe",
-             "a seconds-long smoke-test size (tests, CI)", cmd_experiment_loopmoe)):
+             "a seconds-long smoke-test size (tests, CI)", cmd_experiment_loopmoe),
+            ("depth", "depth-safety options beside the plain recipe: loss, state RMS and change at 1..4x the "
+             "trained depth", "quickstart", "a seconds-long smoke-test size (tests, CI)", cmd_experiment_depth)):
         xp = xsub.add_parser(name, help=help_)
         xp.add_argument("--recipe", default=recipe, help=f"built-in name or TOML path (default {recipe})")
         xp.add_argument("--out", help="experiment folder (default runs/NAME-TIMESTAMP)")
@@ -1052,6 +1067,10 @@ def build_parser() -> argparse.ArgumentParser:
             xp.add_argument("--lookup-threshold", type=float, metavar="T",
                             help="a seed formed the lookup when the looped model's exact match at the largest "
                                  "trained difficulty and training depth is >= T (default 0.9)")
+        if name == "depth":
+            xp.add_argument("--variants", metavar="V1,V2,...",
+                            help="which variants to train beside plain (default all: plain, stochastic_stop, "
+                                 "state_norm, fixed_point, state_norm+fixed_point)")
         xp.set_defaults(func=func)
     return p
 

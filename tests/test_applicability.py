@@ -28,7 +28,7 @@ BASE = {"model.d_model": 32, "model.n_heads": 4, "train.steps": 2}
 
 # deciding field -> (value, companion settings that value needs to be a valid recipe)
 WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
-    "depth.kind": [("fixed", {}), ("uniform", {}), ("lognormal_poisson", {})],
+    "depth.kind": [("fixed", {}), ("uniform", {}), ("lognormal_poisson", {}), ("geometric", {})],
     "supervision.kind": [("final", {}), ("rounds", {"supervision.rounds": [1]}), ("every", {}),
                          ("learned_exit", {"exit.gate": True}), ("act_mixture", {"exit.gate": True})],
     "supervision.prior": [("none", {}), ("uniform", {}), ("geometric", {})],
@@ -48,6 +48,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "data.depth_by_difficulty": [(False, {}), (True, {"data.task": "chain", "depth.kind": "uniform"})],
     "data.train_length_min": [(0, {}), (2, {})],
     "data.length_unit": [("", {}), ("tokens", {}), ("items", {"data.item_separator": "; "})],
+    "supervision.fixed_point": [(0.0, {}), (0.5, {})],
 }
 
 

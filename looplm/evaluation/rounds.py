@@ -32,23 +32,42 @@ def extrapolation_rounds(recipe) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate_rounds(model, batches, rounds_list: list[int]) -> dict[int, dict[str, float]]:
+def evaluate_rounds(model, batches, rounds_list: list[int], states: bool = False) -> dict[int, dict[str, float]]:
     """Mean next-token loss and perplexity at each round count, over the same batches.
     One forward at the largest depth reads out every requested round (the logit lens at
-    round r equals running exactly r rounds, because later rounds cannot affect earlier ones)."""
+    round r equals running exactly r rounds, because later rounds cannot affect earlier ones).
+    states: also the loop state after each requested round, from the states themselves: "state_rms"
+    (root mean square over every position and feature) and "state_change" (the RMS of s_r - s_(r-1)
+    over the RMS of s_(r-1): the relative move round r made; round 1's is from the initial state)."""
     model.eval()
     top = max(rounds_list)
     sums = {r: 0.0 for r in rounds_list}
-    count = 0
+    sq = {r: [0.0, 0.0, 0.0] for r in rounds_list}      # sum s_r^2, sum (s_r - s_(r-1))^2, sum s_(r-1)^2
+    count = elements = 0
     device = model_device(model)
     for x, y in batches:
         x, y = x.to(device), y.to(device)
         # A fixed generator makes a random initial state reproducible across evaluations.
-        out = model(x, top, readout_rounds=tuple(rounds_list), generator=torch.Generator().manual_seed(count))
+        gen = torch.Generator().manual_seed(count)
+        out = model(x, top, readout_rounds=tuple(rounds_list), generator=gen, collect_stats=states)
         for r in rounds_list:
             sums[r] += token_losses(out.round_logits[r], y).sum().item()
+        if states:
+            s0 = model.loop_inputs(x, generator=torch.Generator().manual_seed(count))[2]   # the same initial state
+            for r in rounds_list:
+                cur = out.round_states[r - 1].float()
+                prev = (out.round_states[r - 2] if r > 1 else s0).float()
+                sq[r][0] += cur.pow(2).sum().item()
+                sq[r][1] += (cur - prev).pow(2).sum().item()
+                sq[r][2] += prev.pow(2).sum().item()
+            elements += out.round_states[0].numel()
         count += y.numel()
-    return {r: {"loss": sums[r] / count, "ppl": math.exp(min(50.0, sums[r] / count))} for r in rounds_list}
+    result = {r: {"loss": sums[r] / count, "ppl": math.exp(min(50.0, sums[r] / count))} for r in rounds_list}
+    if states:
+        for r in rounds_list:
+            result[r]["state_rms"] = math.sqrt(sq[r][0] / elements)
+            result[r]["state_change"] = math.sqrt(sq[r][1] / max(sq[r][2], 1e-30))
+    return result
 
 
 def eval_batches_for(run, data_path: str | None = None, max_batches: int | None = None,

@@ -57,7 +57,7 @@ HF_NAMES = {"rope_scaling": "rope_scaling_type"}
 
 EXIT_FIELDS: dict[str, tuple | None] = {"gate": ANY, "policy": ANY, "min_rounds": ANY, "exit_in_prefill": ANY}
 DEPTH_FIELDS: dict[str, tuple | None] = {"kind": ANY, "rounds": ANY, "min": ANY, "max": ANY, "mean": ANY,
-                                         "sigma": ANY}
+                                         "sigma": ANY, "stop_prob": ANY}
 """depth.rounds is the default inference depth; the others are training's depth draws."""
 TOKENIZERS = ("byte", "bpe", "pretrained")
 
@@ -69,7 +69,7 @@ TRAINING_ONLY: dict[str, tuple[str, ...]] = {
     "model": ("init_std", "mor_capacity"),
     "backward": ("window",),
     "supervision": ("kind", "rounds", "weights", "entropy_beta", "prior", "geometric_lambda", "moe_balance",
-                    "moe_z", "mor_balance", "mor_z", "mor_bias_rate", "mor_aux"),
+                    "moe_z", "mor_balance", "mor_z", "mor_bias_rate", "mor_aux", "fixed_point", "fixed_point_rounds"),
     "data": ("path", "text_field", "task", "max_bytes", "val_fraction", "seq_len", "difficulty_min",
              "difficulty_max", "task_length", "train_length_min", "length_unit", "item_separator", "warmup_steps",
              "curriculum", "length_curriculum",

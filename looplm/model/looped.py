@@ -346,6 +346,7 @@ class LoopedLM(nn.Module):
         feedback_passes: int = 1,
         plain: Tensor | None = None,
         noise_rows: tuple[int, slice] | None = None,
+        state_loss: bool = False,
     ) -> LoopOutput:
         """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
         initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table).
@@ -359,7 +360,9 @@ class LoopedLM(nn.Module):
         (B, T) bool the positions that read their plain embedding: DDP and FSDP wrap the model's call,
         and need one forward per backward. Returns the last pass's output, the earlier ones in its
         earlier_passes. noise_rows (G, rows): idx is rows `rows` of a global batch of G, whose random
-        draws the passes make whole and slice (one process of several computes what one process does)."""
+        draws the passes make whole and slice (one process of several computes what one process does).
+        state_loss: a loss will read the final rounds' states (supervision.fixed_point): every round's state
+        is kept in round_states and the final round counts as loss-bearing (grad_rounds reaches it)."""
         if feedback_passes > 1:
             if plain is None or feedback is not None or keep_top or cache is not None:
                 raise ValueError("feedback_passes needs plain (the start convention) and runs whole windows from "
@@ -369,7 +372,8 @@ class LoopedLM(nn.Module):
             outs = passes_forward(self, idx, feedback_passes, plain, run=self.forward, noise_rows=noise_rows,
                                   rounds=rounds, backward_window=backward_window, readout_rounds=readout_rounds,
                                   start_pos=start_pos, positions=positions, generator=generator,
-                                  initial_state=initial_state, collect_stats=collect_stats, full_depth=full_depth)
+                                  initial_state=initial_state, collect_stats=collect_stats, full_depth=full_depth,
+                                  state_loss=state_loss)
             outs[-1].earlier_passes = outs[:-1]
             return outs[-1]
         rounds = self.nominal_rounds if rounds is None else rounds
@@ -399,8 +403,8 @@ class LoopedLM(nn.Module):
             tops: dict[int, Tensor] | None = {} if keep_top else None
             run = unroll(step, s0, rounds, backward_window, wanted,
                          readout=lambda s, r: self.readout(s, rope, cache, r, tops=tops),
-                         keep_states=self.gate is not None or collect_stats,
-                         loss_rounds=readout_rounds or (rounds,))
+                         keep_states=self.gate is not None or collect_stats or state_loss,
+                         loss_rounds=(*(readout_rounds or (rounds,)), *((rounds,) if state_loss else ())))
         finally:
             traces = [(i, mlp.trace) for i, mlp in moe]
             for _, mlp in moe:                 # recomputation in the backward (checkpointing) records nothing
@@ -415,6 +419,8 @@ class LoopedLM(nn.Module):
             losses = moe_losses([rec for _, t in traces for rec in t], self.cfg.moe_experts)
             out.aux_losses.update({f"moe_{k}": v for k, v in losses.items()})
             out.routing = {i: [rec.experts.detach() for rec in t] for i, t in traces}
+        if state_loss:
+            out.round_states = run.states
         if self.gate is not None:
             # The gate reads each round's state like a readout: before the window the state is a
             # constant, so those hazards train the gate alone.

@@ -11,6 +11,9 @@ The recipe's `supervision.kind` picks one of:
 - act_mixture: every round read out, ONE cross-entropy on the exit-mass mixture of the rounds' output
   probabilities (ACT), with learned_exit's regulariser (halting.hazards.act_mixture_terms).
 The other weighted placements combine per-round *losses*; only act_mixture mixes (probabilities, not logits).
+
+Beside any placement, `supervision.fixed_point` adds the terminal fixed-point term (`fixed_point_term`), a
+depth-safety objective on the states, not the readouts.
 """
 
 from __future__ import annotations
@@ -95,3 +98,33 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
     info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback,
             "round_weights": dict(zip(place.rounds, place.weights))}
     return total, info
+
+
+FIXED_POINT_EPS = 1e-6
+"""Per feature: the term's denominator is ||s_(r-1)||^2 + FIXED_POINT_EPS * d (a zero state stays finite)."""
+
+
+def fixed_point_rounds(rounds_run: int, k: int) -> tuple[int, ...]:
+    """The rounds whose change the fixed-point term reads in a step of rounds_run rounds: the last k, from
+    round 2 on (round 1's change is away from the initial state, which is no fixed point to keep)."""
+    return tuple(range(max(2, rounds_run - k + 1), rounds_run + 1))
+
+
+def fixed_point_term(states: list[Tensor], k: int, valid: Tensor | None = None) -> Tensor | None:
+    """The terminal fixed-point objective on one unroll's states (states[r - 1] = s_r, each (B, T, d)):
+    mean over the rounds r of fixed_point_rounds and over positions of
+    ||s_r - s_(r-1)||^2 / (||s_(r-1)||^2 + eps d), the relative change one more round made. Trained at a
+    step's final rounds, it asks the readout's state to be one the core leaves where it is, so rounds run
+    past the trained depth have little left to change. valid (B, T): the positions that count (task
+    batches' padding does not). None when the step ran one round (there is no change to read)."""
+    rounds = fixed_point_rounds(len(states), k)
+    if not rounds:
+        return None
+    terms = []
+    for r in rounds:
+        prev, cur = states[r - 2].float(), states[r - 1].float()
+        d = cur.shape[-1]
+        rel = (cur - prev).pow(2).sum(-1) / (prev.pow(2).sum(-1) + FIXED_POINT_EPS * d)     # (B, T)
+        terms.append(rel)
+    per_position = torch.stack(terms, -1).mean(-1)                                         # (B, T)
+    return mean_loss(per_position if valid is None else per_position * valid, valid)

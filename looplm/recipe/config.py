@@ -238,8 +238,10 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DepthConfig:
-    kind: Literal["fixed", "uniform", "lognormal_poisson"] = "fixed"
-    """How many rounds each training step runs: fixed, uniform on {min..max}, or Huginn's log-normal Poisson."""
+    kind: Literal["fixed", "uniform", "lognormal_poisson", "geometric"] = "fixed"
+    """How many rounds each training step runs: fixed, uniform on {min..max}, Huginn's log-normal Poisson, or
+    geometric (stochastic stopping: from round min on, after each round the loop stops with probability
+    stop_prob, at the latest after max)."""
     rounds: int = 4
     """Rounds for kind = fixed; also the default rounds at evaluation and generation."""
     min: int = applies(unless("depth.kind", "fixed"), default=1)
@@ -250,6 +252,9 @@ class DepthConfig:
     """Mean depth r-bar of the log-normal Poisson sampler (Huginn: 32)."""
     sigma: float = applies(when("depth.kind", "lognormal_poisson"), default=0.5)
     """Log-normal sigma of the sampler (Huginn: 0.5)."""
+    stop_prob: float = applies(when("depth.kind", "geometric"), default=0.25)
+    """geometric: the chance of stopping after each round from depth.min on (mean depth min + (1-p)/p before
+    the cap at max)."""
 
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, "depth.rounds", "must be >= 1")
@@ -261,6 +266,7 @@ class DepthConfig:
                    f"must lie in depth.min..depth.max = {self.min}..{self.max} (it is the default inference depth)")
         if self.kind == "lognormal_poisson":
             _check(self.mean >= 1, "depth.mean", "must be >= 1 (rounds = Poisson(rate) + 1)")
+        _check(0 < self.stop_prob <= 1, "depth.stop_prob", "must lie in (0, 1] (a probability of stopping)")
 
     @property
     def max_rounds(self) -> int:
@@ -317,6 +323,14 @@ class SupervisionConfig:
     mor_aux: float = applies(when("model.mor", "expert_choice"), default=0.01)
     """Mixture-of-Recursions, expert choice: weight of the BCE loss that trains the causal decision (the router's
     logits, or the auxiliary router's) towards each round's top-k selection."""
+    fixed_point: float = applies(STAGE_1, default=0.0)
+    """Depth safety, a terminal fixed-point objective: weight of the state-change term added to the loss,
+    the mean over positions and over the last fixed_point_rounds rounds r (r >= 2) of
+    ||s_r - s_(r-1)||^2 / (||s_(r-1)||^2 + 1e-6 d), so the state the readout is trained on is one more
+    rounds would not move (model/losses.fixed_point_term). 0 = off."""
+    fixed_point_rounds: int = applies(unless("supervision.fixed_point", 0.0), default=1)
+    """How many of a step's final rounds the fixed-point term reads (a step of R rounds: rounds
+    max(2, R - k + 1)..R; a one-round step has no term)."""
 
     def __post_init__(self) -> None:
         if self.kind == "rounds":
@@ -333,7 +347,8 @@ class SupervisionConfig:
         _check(self.moe_balance >= 0 and math.isfinite(self.moe_balance), "supervision.moe_balance",
                "must be finite and >= 0")
         _check(self.moe_z >= 0 and math.isfinite(self.moe_z), "supervision.moe_z", "must be finite and >= 0")
-        for name in ("mor_balance", "mor_z", "mor_bias_rate", "mor_aux"):
+        _check(self.fixed_point_rounds >= 1, "supervision.fixed_point_rounds", "must be >= 1")
+        for name in ("mor_balance", "mor_z", "mor_bias_rate", "mor_aux", "fixed_point"):
             v = getattr(self, name)
             _check(v >= 0 and math.isfinite(v), f"supervision.{name}", "must be finite and >= 0")
 
@@ -650,9 +665,9 @@ class Recipe:
             _check(self.train.stage == 1, "feedback.mode", "has no stage II: train.stage = 1")
             _check(not self.train.alignment_every, "train.alignment_every", "measures one pass; not with feedback")
         if self.data.depth_by_difficulty:
-            _check(self.depth.kind != "lognormal_poisson", "data.depth_by_difficulty",
+            _check(self.depth.kind in ("fixed", "uniform"), "data.depth_by_difficulty",
                    'draws each micro-batch\'s rounds uniformly (or runs depth.rounds): needs depth.kind = "fixed" '
-                   'or "uniform", not "lognormal_poisson"')
+                   f'or "uniform", not "{self.depth.kind}"')
         if self.model.untied:
             _check(not self.train.alignment_every, "train.alignment_every",
                    "needs a shared core; the untied baseline has one block per visit")

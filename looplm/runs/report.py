@@ -30,6 +30,9 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
         depth = f"fixed at {d.rounds} rounds every step"
     elif d.kind == "uniform":
         depth = f"uniform on {{{d.min}..{d.max}}} rounds, drawn per micro-batch from (seed, step)"
+    elif d.kind == "geometric":
+        depth = (f"stochastic stopping: from round {d.min} on the loop stops after each round with probability "
+                 f"{d.stop_prob}, at the latest after {d.max}; drawn per micro-batch from (seed, step)")
     else:
         depth = (f"log-normal Poisson (Huginn): rate ~ LogNormal(ln {d.mean} - {d.sigma}^2/2, {d.sigma}), "
                  f"rounds = Poisson(rate) + 1, clamped to {d.min}..{d.max}; drawn per micro-batch from (seed, step)")
@@ -51,7 +54,14 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
         sup = "equal-weight loss on every round that ran"
     else:
         prior = "an entropy bonus" if s.prior == "none" else f"KL to a {s.prior} prior"
-        sup = f"learned exit distribution (Ouro stage I): sum_t p_t L_t with {prior}, beta = {s.entropy_beta}"
+        sup = (f"learned exit distribution (Ouro stage I): sum_t p_t L_t with {prior}, beta = {s.entropy_beta}"
+               if s.kind == "learned_exit" else
+               f"ACT's mixture: one loss -log sum_t p_t softmax_t(y) on the exit-mass mixture of the rounds' output "
+               f"distributions, with {prior}, beta = {s.entropy_beta}")
+    if s.fixed_point and r.train.stage == 1:
+        sup += (f"; plus {s.fixed_point} x the terminal fixed-point term: the relative state change "
+                f"||s_r - s_(r-1)||^2 / ||s_(r-1)||^2 over the last {s.fixed_point_rounds} round(s) of each step "
+                "(from round 2), averaged over positions")
     if r.train.stage == 2:
         sup += (f"; STAGE II: LM frozen, only the gate trains on BCE to sigmoid(k(I_t - gamma)), "
                 f"k = {r.train.stage2_k}, gamma = {r.train.stage2_gamma}, averaged over tokens and rounds 2..T")
@@ -63,6 +73,8 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
                     f"{m.norm}-norm, residual scaling {m.residual_scaling}"
                     + (f" (p = {m.deeploop_p})" if m.residual_scaling == "deeploop" else "")),
         ("initial state", init),
+        ("state between rounds", "RMS-normalised after every round (model.state_norm)" if m.state_norm
+         else "carried as the core leaves it (no normalisation between rounds)"),
         ("input injection", inject),
         ("forward depth", depth),
         ("backward window", window),
@@ -121,6 +133,11 @@ def _placement_lines(report: dict[str, Any]) -> list[str]:
                 else "loss weight per round")
         out.append(f"- {what} ({place['kind']}; mean per micro-batch, as the loss weighed it): "
                    + ", ".join(f"{r}: {w:.3f}" for r, w in zip(place["rounds"], place["weights"])))
+    fp = report.get("depth_safety", {}).get("fixed_point")
+    if fp:
+        out.append(f"- fixed-point term (weight {fp['weight']}): carried by {fp['micro_batches']} micro-batches "
+                   + (f"(mean unweighted value {fp['mean_term']:.4g})" if fp["micro_batches"] else
+                      "-- NEVER APPLIED: every step ran one round"))
     gate = report.get("exit_gate")
     if gate:
         n, total = gate["steps_with_gradient"], gate["steps"]

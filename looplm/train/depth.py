@@ -25,6 +25,8 @@ def sample_depth(cfg: DepthConfig, seed: int, step: int, micro: int = 0) -> int:
     """Rounds for one micro-batch.
 
     fixed: cfg.rounds. uniform: an integer uniform on {min..max}.
+    geometric (stochastic stopping): start at min; after each round below max, stop with probability
+    stop_prob, else run one more.
     lognormal_poisson (Huginn): tau ~ LogNormal(ln(mean) - sigma^2/2, sigma), so E[tau] = mean;
     rounds = Poisson(tau) + 1, clamped to [min, max].
     """
@@ -33,6 +35,11 @@ def sample_depth(cfg: DepthConfig, seed: int, step: int, micro: int = 0) -> int:
     g = depth_generator(seed, step, micro)
     if cfg.kind == "uniform":
         return int(torch.randint(cfg.min, cfg.max + 1, (1,), generator=g).item())
+    if cfg.kind == "geometric":
+        rounds = cfg.min
+        while rounds < cfg.max and float(torch.rand((), generator=g, dtype=torch.float64)) >= cfg.stop_prob:
+            rounds += 1
+        return rounds
     mu = math.log(cfg.mean) - cfg.sigma**2 / 2
     tau = torch.exp(mu + cfg.sigma * torch.randn((), generator=g, dtype=torch.float64))
     rounds = int(torch.poisson(tau.unsqueeze(0), generator=g).item()) + 1
@@ -40,9 +47,12 @@ def sample_depth(cfg: DepthConfig, seed: int, step: int, micro: int = 0) -> int:
 
 
 def expected_depth(cfg: DepthConfig, draws: int = 20000) -> float:
-    """Mean rounds under the sampler (exact for fixed/uniform, Monte Carlo for the capped log-normal Poisson)."""
+    """Mean rounds under the sampler (exact for fixed/uniform/geometric, Monte Carlo for the capped log-normal
+    Poisson)."""
     if cfg.kind == "fixed":
         return float(cfg.rounds)
     if cfg.kind == "uniform":
         return (cfg.min + cfg.max) / 2
+    if cfg.kind == "geometric":   # E[min(min + G, max)] = min + sum_{g=1}^{max-min} P(G >= g), P(G >= g) = (1-p)^g
+        return cfg.min + sum((1 - cfg.stop_prob) ** g for g in range(1, cfg.max - cfg.min + 1))
     return sum(sample_depth(cfg, 12345, i) for i in range(draws)) / draws

@@ -33,7 +33,7 @@ from ..device import autocast, compiled, grad_scaler, resolve_device
 from ..errors import UserError
 from ..memory import RunMemory
 from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation_rounds
-from ..model.losses import placement, supervised_loss
+from ..model.losses import fixed_point_term, placement, supervised_loss
 from ..model.flops import Visits, prelude_receives_gradient, train_flops_per_token
 from ..model.looped import LoopedLM, build_model
 from ..model.recursions import depth_counts, update_bias
@@ -99,6 +99,10 @@ class Counters:
     """Feedback: parallel passes -> micro-batches trained with that many (empty without feedback)."""
     feedback_token_passes: int = 0
     """Feedback: real tokens x passes, summed (each pass reads every token once more)."""
+    fixed_point_micro: int = 0
+    """supervision.fixed_point: micro-batches whose loss carried the term (a one-round step has none)."""
+    fixed_point_sum: float = 0.0
+    """supervision.fixed_point: the term's value (unweighted) summed over those micro-batches."""
     last_visits: Visits | None = None
     """The block visits of the last micro-batch, as counted into train_flops (not saved)."""
 
@@ -116,7 +120,8 @@ class Counters:
                 "placement_kinds": hist(self.placement_kinds),
                 "gate_grad_steps": torch.tensor(self.gate_grad_steps, dtype=torch.long),
                 "pass_histogram": hist(self.pass_histogram),
-                "feedback_token_passes": torch.tensor(self.feedback_token_passes, dtype=torch.long)}
+                "feedback_token_passes": torch.tensor(self.feedback_token_passes, dtype=torch.long),
+                "fixed_point": torch.tensor([self.fixed_point_micro, self.fixed_point_sum], dtype=torch.float64)}
 
     @classmethod
     def from_state(cls, s: dict[str, torch.Tensor]) -> "Counters":
@@ -135,6 +140,9 @@ class Counters:
         if "pass_histogram" in s:       # absent from checkpoints written before feedback existed
             out.pass_histogram = hist(s["pass_histogram"])
             out.feedback_token_passes = int(s["feedback_token_passes"])
+        if "fixed_point" in s:          # absent from checkpoints written before the term existed
+            n, total = s["fixed_point"].tolist()
+            out.fixed_point_micro, out.fixed_point_sum = int(n), total
         return out
 
 
@@ -213,6 +221,9 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         kwargs["full_depth"] = warmup
     if n_passes > 1:     # the K passes run inside one model call: DDP and FSDP see one forward per backward
         kwargs.update(feedback_passes=n_passes, plain=plain, noise_rows=(G, rows) if rows is not None else None)
+    fixed_point = recipe.supervision.fixed_point if recipe.train.stage == 1 else 0.0
+    if fixed_point:      # the term reads the final rounds' states: keep them, with the final round's gradient
+        kwargs["state_loss"] = True
     run = model if forward is None else forward
     with autocast(device, recipe.train.dtype):
         last = run(x, rounds, backward_window=window, readout_rounds=place.rounds, collect_stats=collect_stats,
@@ -228,6 +239,11 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
                 if o.aux_losses:           # routed models' auxiliary losses, each by its recipe weight
                     weights = aux_loss_weights(recipe)
                     pass_loss = pass_loss + sum(weights[k] * v for k, v in o.aux_losses.items())
+                term = fixed_point_term(o.round_states, recipe.supervision.fixed_point_rounds,
+                                        valid.to(device) if valid is not None else None) if fixed_point else None
+                if term is not None:       # depth safety: the final rounds' relative state change
+                    pass_loss = pass_loss + fixed_point * term
+                    pass_info = {**pass_info, "fixed_point_term": term.item()}
                 pass_losses.append(pass_loss)
                 info = pass_info if o is out else info
             loss = pass_losses[0]
@@ -263,6 +279,9 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     for r in out.readout_only_rounds:
         counters.readout_only_rounds[r] += 1
     counters.fallback_steps += int(place.fallback)
+    if "fixed_point_term" in info:
+        counters.fixed_point_micro += 1
+        counters.fixed_point_sum += info["fixed_point_term"]
     real = x.numel() if valid is None else int(valid.sum())
     counters.tokens_seen += real
     counters.token_passes += real * rounds * n_passes      # every pass runs every round
@@ -748,6 +767,12 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
                            "supervised_round_counts": {str(k): v for k, v in sorted(counters.supervised_rounds.items())},
                            "readout_only_round_counts": {str(k): v for k, v in sorted(counters.readout_only_rounds.items())},
                            "fallback_to_final_steps": counters.fallback_steps},
+        "depth_safety": {"state_norm": recipe.model.state_norm, "depth_kind": recipe.depth.kind,
+                         **({"fixed_point": {"weight": recipe.supervision.fixed_point,
+                                             "rounds": recipe.supervision.fixed_point_rounds,
+                                             "micro_batches": counters.fixed_point_micro,
+                                             "mean_term": counters.fixed_point_sum / max(1, counters.fixed_point_micro)}}
+                            if recipe.supervision.fixed_point else {})},
         **({"exit_gate": {"steps_with_gradient": counters.gate_grad_steps, "steps": len(counters.losses),
                           "parameters": sum(p.numel() for p in model.gate.parameters())}}
            if model.gate is not None else {}),
