@@ -206,3 +206,21 @@ def test_length_unit_is_for_jsonl_only():
     with pytest.raises(UserError, match="data.item_separator"):
         looplm.load_recipe("quickstart", overrides={"data.task": "x.jsonl", "data.length_unit": "tokens",
                                                     "data.item_separator": ";"})
+
+
+def test_report_records_the_lines_the_length_dials_allowed(tmp_path):
+    path = write_jsonl(tmp_path / "hops.jsonl", chain_rows([1, 2], range(2, 9), copies=6))   # 2..8 links
+    run = tmp_path / "run"
+    from looplm.train.trainer import train
+    train(recipe_for(path, **{"data.length_unit": "items", "data.item_separator": "; ", "data.task_length": 7,
+                              "data.train_length_min": 3, "data.difficulty_max": 2, "train.steps": 2,
+                              "data.eval_examples": 4, "data.probe_examples": 0, "depth.kind": "fixed",
+                              "depth.rounds": 2, "backward.window": "all"}), run, quiet=True)
+    rep = json.loads((run / "report.json").read_text())["task_difficulties"]
+    counts = rep["train_length_counts"]
+    assert set(counts) == {"1", "2"}
+    for d, by_length in counts.items():
+        assert set(by_length) <= {str(n) for n in range(3, 8)}     # never 2 or 8 links
+        assert sum(by_length.values()) == rep["train_examples"][d]
+        assert all(0 < c <= 6 for c in by_length.values())         # at most the file's copies of that length
+    assert "by prompt length in items" in (run / "report.md").read_text()

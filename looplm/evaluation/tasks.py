@@ -264,6 +264,10 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
         "train_examples": None if source.train_counts is None else {str(d): n for d, n in source.train_counts.items()},
         "eval_examples": {str(d): n for d, n in scores["examples"].items()},
         "unused_examples": {str(d): n for d, n in source.unused_counts.items()},
+        # a JSONL file with length dials: the training lines they allow, by difficulty and length
+        **({"train_length_counts": {str(d): {str(n): c for n, c in sorted(b.items())}
+                                    for d, b in source.train_length_counts.items()}}
+           if getattr(source, "train_length_counts", None) else {}),
     }
     if source.builtin:
         trained = (f"trained on difficulties {source.train_levels[0]}..{source.train_levels[-1]} (fresh examples "
@@ -273,6 +277,11 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
                                                                             source.train_counts.items())
                    if source.levelled else f"the file gives no difficulties (every line reads as 0); trained on "
                                            f"{sum(source.train_counts.values())} of its lines")
+        if getattr(source, "train_length_counts", None):
+            unit = recipe.data.length_unit
+            trained += ("; by prompt length in " + unit + " (lines): " + "; ".join(
+                f"{d}: " + ", ".join(f"{n}: {c}" for n, c in sorted(b.items()))
+                for d, b in source.train_length_counts.items()))
         if source.unused_counts:
             trained += ("; lines outside the trained and evaluated difficulties, unused: "
                         + ", ".join(f"{d}: {n}" for d, n in source.unused_counts.items()))
