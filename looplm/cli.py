@@ -213,12 +213,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _contrast_arg(args: argparse.Namespace, run: Any) -> tuple[int, float]:
     """eval --contrast ROUND:BETA, checked against the run's depth, and refused where the teacher-forced
-    contrast is not what the run decodes or not implemented (task runs, feedback, routed depths, exits)."""
+    contrast is not what the run decodes or not implemented (task runs with a coda, feedback, routed depths,
+    exits)."""
     from .inference.engine import check_contrast, parse_contrast
     contrast = parse_contrast(args.contrast)
     check_contrast(contrast, run.recipe.depth.rounds)
-    why = ("a task run (exact match of contrastive answers is not implemented; decode them with generate "
-           "--contrast)" if run.recipe.data.task
+    why = ("a task run with a coda (model.n_coda > 0: a decoded answer token's earlier-round readout attends to "
+           "cached coda entries no teacher-forced pass has; decode its answers with generate --contrast)"
+           if run.recipe.data.task and run.model.cfg.n_coda > 0
+           else "--prompt-mode (scored without the contrast)" if run.recipe.data.task and args.prompt_mode
            else "full-bandwidth feedback (its decoding carries the plain top state)" if run.model.feedback is not None
            else "a Mixture-of-Recursions run (each token's final round is its routed depth)"
            if run.model.cfg.mor != "none"
@@ -297,6 +300,19 @@ def _eval_task_run(run: Any, rounds: list[int], args: argparse.Namespace) -> int
              for r, v in result["rounds"].items()]
     lines += [f"exact match (%) by difficulty x rounds on {result['data']} ({len(examples)} examples):",
               markdown_table({d: {r: v["accuracy"] for r, v in row.items()} for d, row in scores["by_difficulty"].items()})]
+    if args.contrast:   # LoopCD's logits z_R + beta (z_R - z_r) at every evaluated depth R > r (no coda: per token)
+        r_early, beta = _contrast_arg(args, run)
+        deeper = [r for r in rounds if r > r_early]
+        if not deeper:
+            raise UserError(f"--contrast {args.contrast}: needs an evaluated depth above round {r_early} (--rounds)")
+        cs = score_task_sets(run.model, run.tokenizer, sets, deeper, separator=recipe.data.separator,
+                             contrast=(r_early, beta))
+        by = {d: {r: v["accuracy"] for r, v in row.items()} for d, row in cs["by_difficulty"].items()}
+        result["contrast"] = {"round": r_early, "beta": beta,
+                              "rounds": {str(r): v for r, v in cs["rounds"].items()},
+                              "by_difficulty": {str(d): {str(r): a for r, a in row.items()} for d, row in by.items()}}
+        lines += [f"contrast {r_early}:{beta}: exact match (%) by difficulty x rounds (greedy answers with the "
+                  "contrastive logits; the plain table is above):", markdown_table(by)]
     if modes:  # how the model answers when it decodes: feedback is carried token to token, not teacher-forced
         from .evaluation.tasks import prompt_mode_accuracy
         depth = recipe.depth.rounds

@@ -158,3 +158,54 @@ def test_eval_contrast_equals_column_by_column_hand_computation(run_dir, capsys)
 def test_refusals_exit_2_naming_the_reason(run_dir, capsys, argv, message):
     code, out, err = cli(capsys, *[run_dir if a == "RUN" else a for a in argv])
     assert code == 2 and message in err and out == "", err
+
+
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+    """A tiny chain-task run without a coda and with a deterministic initial state (the extrapolate recipe's
+    anatomy), 2 steps: a batch scores as its examples one at a time."""
+    from looplm.train.trainer import train
+    out = tmp_path_factory.mktemp("loopcd-task") / "run"
+    train(tiny_recipe(**{"data.task": "chain", "model.n_coda": 0, "train.steps": 2, "train.checkpoint_every": 2,
+                         "model.init_state": "prelude",
+                         "data.difficulty_max": 2, "data.eval_examples": 12, "data.probe_examples": 0,
+                         "model.init_std": 0.3}), out, quiet=True)
+    return out
+
+
+def test_eval_contrast_on_a_task_run_equals_hand_exact_match(task_run, capsys):
+    from looplm.data.taskdata import TaskSource
+    from looplm.evaluation.tasks import encode_examples
+    code, out, err = cli(capsys, "eval", task_run, "--rounds", "1,2,3", "--contrast", "1:0.7", "--json")
+    assert code == 0, err
+    rep = json.loads(out)["contrast"]
+    assert rep["round"] == 1 and rep["beta"] == 0.7 and set(rep["rounds"]) == {"2", "3"}   # only R > r
+    run = looplm.load_run(task_run)
+    sets = TaskSource(run.recipe).eval_sets(run.recipe.data.eval_examples)
+    loss = {2: 0.0, 3: 0.0}
+    tokens = 0
+    for d, exs in sets.items():
+        for R in (2, 3):
+            hits = 0
+            with torch.no_grad():
+                for ex in exs:                                   # one example at a time: no padding
+                    b = encode_examples(run.tokenizer, [ex], run.model.cfg.context, run.recipe.data.separator)
+                    o = run.model(b.x, R, readout_rounds=(1, R), generator=torch.Generator().manual_seed(0))
+                    z = o.round_logits[R] + 0.7 * (o.round_logits[R] - o.round_logits[1])
+                    hits += int(((z.argmax(-1) == b.y) | ~b.mask).all())
+                    loss[R] += torch.nn.functional.cross_entropy(z[b.mask], b.y[b.mask], reduction="sum").item()
+                    tokens += int(b.mask.sum()) if R == 2 else 0
+            assert rep["by_difficulty"][str(d)][str(R)] == pytest.approx(hits / len(exs)), (d, R)
+    for R in (2, 3):   # the answer loss under the contrast (a trained-for-2-steps model answers nothing right)
+        assert rep["rounds"][str(R)]["loss"] == pytest.approx(loss[R] / tokens, rel=1e-5)
+    # a coda's readout is not per token in decoding: refused there, naming why
+    code, out, err = cli(capsys, "eval", task_run, "--contrast", "1:0.5", "--prompt-mode", "standard")
+    assert code == 2 and "--contrast: not available with --prompt-mode" in err
+
+
+def test_eval_contrast_refused_on_a_task_run_with_a_coda(tmp_path, capsys):
+    from looplm.train.trainer import train
+    train(tiny_recipe(**{"data.task": "chain", "train.steps": 1, "data.difficulty_max": 1, "data.eval_examples": 2,
+                         "data.probe_examples": 0}), tmp_path / "run", quiet=True)
+    code, out, err = cli(capsys, "eval", tmp_path / "run", "--contrast", "1:0.5")
+    assert code == 2 and "a task run with a coda" in err

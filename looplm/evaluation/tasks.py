@@ -41,8 +41,11 @@ def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[
 
 @torch.no_grad()
 def _score(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_list: list[int],
-           batch_size: int, separator: bool) -> tuple[dict[int, int], dict[int, float], int]:
-    """(exact matches, summed answer-token loss) by rounds, and the answer tokens scored."""
+           batch_size: int, separator: bool, contrast: tuple[int, float] | None = None
+           ) -> tuple[dict[int, int], dict[int, float], int]:
+    """(exact matches, summed answer-token loss) by rounds, and the answer tokens scored. contrast (r, beta):
+    score the LoopCD logits z_R + beta (z_R - z_r) at every R of rounds_list (each > r) instead of z_R; per
+    token only where the readout is (a model without a coda)."""
     model.eval()
     correct = {r: 0 for r in rounds_list}
     loss_sum = {r: 0.0 for r in rounds_list}
@@ -50,7 +53,12 @@ def _score(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_lis
     context = getattr(getattr(model, "cfg", None), "context", None)
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], context, separator)
-        for r, logits in logits_by_rounds(model, b.x, rounds_list).items():
+        by_round = logits_by_rounds(model, b.x, sorted(set(rounds_list) | ({contrast[0]} if contrast else set())))
+        if contrast is not None:
+            from ..inference.engine import contrast_logits
+            by_round = {r: contrast_logits(by_round[r], by_round[contrast[0]], contrast[1]) for r in rounds_list}
+        for r in rounds_list:
+            logits = by_round[r]
             y, mask = b.y.to(logits.device), b.mask.to(logits.device)
             hit = (logits.argmax(-1) == y) | ~mask              # (B, T)
             correct[r] += int(hit.all(-1).sum())
@@ -71,7 +79,8 @@ def evaluate_examples(model: torch.nn.Module, tok: Any, examples: list[Example],
 
 
 def score_task_sets(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[Example]], rounds_list: list[int],
-                    batch_size: int = 64, separator: bool = True) -> dict[str, Any]:
+                    batch_size: int = 64, separator: bool = True,
+                    contrast: tuple[int, float] | None = None) -> dict[str, Any]:
     """The task evaluation of the trainer's report and of `looplm eval` on a task run:
     {"rounds": rounds -> {"accuracy", "loss"} over every example (loss per answer token),
      "by_difficulty": difficulty -> rounds -> {"accuracy", "loss"},
@@ -81,7 +90,7 @@ def score_task_sets(model: torch.nn.Module, tok: Any, eval_sets: dict[int, list[
     loss_sum = {r: 0.0 for r in rounds_list}
     tokens = n = 0
     for d, exs in sorted(eval_sets.items()):
-        c, ls, t = _score(model, tok, exs, rounds_list, batch_size, separator)
+        c, ls, t = _score(model, tok, exs, rounds_list, batch_size, separator, contrast)
         by_level[d] = _rates(c, ls, len(exs), t)
         for r in rounds_list:
             correct[r] += c[r]
