@@ -224,3 +224,12 @@ def test_report_records_the_lines_the_length_dials_allowed(tmp_path):
         assert sum(by_length.values()) == rep["train_examples"][d]
         assert all(0 < c <= 6 for c in by_length.values())         # at most the file's copies of that length
     assert "by prompt length in items" in (run / "report.md").read_text()
+
+
+@pytest.mark.parametrize("sep", ["\n", "\t|", ' "; ', "\\ ", "é → "])
+def test_a_separator_with_escapes_survives_the_saved_recipe(tmp_path, sep):
+    from looplm.recipe.config import read_recipe_dict, recipe_from_dict
+    path = write_jsonl(tmp_path / "t.jsonl", chain_rows([1], range(2, 4), sep=sep))
+    recipe = recipe_for(path, **{"data.length_unit": "items", "data.item_separator": sep})
+    (tmp_path / "r.toml").write_text(recipe.to_toml())
+    assert recipe_from_dict(read_recipe_dict(str(tmp_path / "r.toml"))).data.item_separator == sep

@@ -10,6 +10,7 @@ are refused at construction with a `UserError` naming the field and what is allo
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import tomllib
@@ -936,8 +937,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):   # JSON's escapes (\n, \t, \", \\, \uXXXX) are TOML basic-string escapes too
+        return json.dumps(v, ensure_ascii=False)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} as TOML")
