@@ -167,6 +167,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         lines.append(f"contrast {rep['round']}:{rep['beta']} at {rep['final_round']} rounds: loss "
                      f"{rep['contrast']['loss']:.4f} (plain {rep['plain']['loss']:.4f}), next-token accuracy "
                      f"{100 * rep['contrast']['accuracy']:.2f}% (plain {100 * rep['plain']['accuracy']:.2f}%)")
+    if run.model.gate is not None and run.model.feedback is None and run.model.cfg.mor == "none":
+        # a gated run: the output ACT defines (rounds' probabilities mixed by the exit masses), which is what
+        # supervision.kind = "act_mixture" trains, beside the single-round losses learned_exit trains
+        from .evaluation.early_exit import exit_mixture
+        rep = result["exit_mixture"] = exit_mixture(run.model, batches, run.recipe.depth.rounds)
+        lines.append(f"exit mixture over rounds 1..{rep['rounds']} (ACT output): loss {rep['loss']:.4f} "
+                     f"ppl {rep['ppl']:.2f}, exit-distribution mean round {rep['mean_exit_round']:.2f}")
     if args.feedback_passes and run.model.feedback is None:
         raise UserError("--feedback-passes: this run has no full-bandwidth feedback (feedback.mode = none)")
     if run.model.feedback is not None:   # the rounds above are the plain pass; feedback's passes at the depth

@@ -147,3 +147,32 @@ def test_refusals_exit_2_naming_the_field(args, field, capsys):
 def test_accepted_with_its_regulariser_fields(capsys):
     assert main(["recipe", "show", "quickstart", "--set", "supervision.kind=act_mixture", "--set", "exit.gate=true",
                  "--set", "supervision.prior=geometric", "--set", "supervision.geometric_lambda=0.3"]) == 0
+
+
+def test_eval_exit_mixture_is_the_hand_mixture_of_the_rounds_probabilities():
+    """`looplm eval`'s exit_mixture (what an ACT model outputs) on held-out tokens = -log Σ_r p_r softmax(z_r)[y]
+    from the same model's own per-round logits and hazards, and its mean exit round = Σ_r r p_r."""
+    from looplm.evaluation.early_exit import exit_distribution_depth, exit_mixture
+    torch.manual_seed(0)
+    model = looplm.build_model(tiny_recipe(**ACT)).eval()
+    with torch.no_grad():
+        model.gate[1].weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 257, (2, 16), generator=g), torch.randint(0, 257, (2, 16), generator=g))
+               for _ in range(2)]
+    rep = exit_mixture(model, batches, R)
+    act, expected, depth, n = 0.0, 0.0, 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:   # the initial state seeded per batch as evaluate_rounds seeds it
+            out = model(x, R, readout_rounds=tuple(range(1, R + 1)), generator=torch.Generator().manual_seed(n))
+            a, e, _ = _hand(out, y)
+            p = _hand_masses(out.hazards[..., :R].double())
+            act, expected = act + a * y.numel(), expected + e * y.numel()
+            depth += sum((r + 1) * pr for r, pr in enumerate(p)).sum().item()
+            n += y.numel()
+    assert rep["loss"] == pytest.approx(act / n, rel=1e-5)
+    assert rep["mean_exit_round"] == pytest.approx(depth / n, rel=1e-5)
+    assert exit_distribution_depth(model, batches, R) == pytest.approx(depth / n, rel=1e-5)
+    assert rep["loss"] < expected / n - 1e-3                           # Jensen: below learned_exit's expected loss
+    plain = looplm.build_model(tiny_recipe(**{"depth.rounds": R}))
+    assert exit_mixture(plain, batches, R) is None                     # no gate: nothing to mix by

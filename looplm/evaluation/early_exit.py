@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..halting import ExitPolicy, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
+from ..halting.hazards import act_mixture_terms
 from ..inference.early_exit import early_exit, resolve_policy
 
 
@@ -98,15 +99,39 @@ def exit_distribution_depth(model, batches: Iterable[tuple[Tensor, Tensor]], rou
     """Mean exit round under the gate's exit distribution, E[t] = sum_t t p_t, over tokens at full
     depth `rounds` (masses from the hazards, last round forced). A statistic of the distribution,
     not any policy's measured serving depth; None for a model without a gate."""
+    rep = exit_mixture(model, batches, rounds, losses=False)
+    return None if rep is None else rep["mean_exit_round"]
+
+
+@torch.no_grad()
+def exit_mixture(model, batches: Iterable[tuple[Tensor, Tensor]], rounds: int,
+                 losses: bool = True) -> dict[str, Any] | None:
+    """What a gated model outputs when its exit distribution is used as ACT uses it: every round
+    1..`rounds` read out and the rounds' next-token probabilities mixed by the exit masses,
+    P(y) = sum_t p_t softmax(z_t)[y]. Held-out loss -log P(y) (the task term `supervision.kind =
+    "act_mixture"` trains; `halting.act_mixture_terms`), beside the distribution's mean exit round.
+    Every round runs for every token: a quality figure, not a saving. None for a model without a gate."""
+    from ..model.losses import token_losses
     if model.gate is None:
         return None
-    total, count = 0.0, 0
-    for x, *_ in batches:
-        out = model(x, rounds, generator=_seeded(count))
-        masses = hazards_to_masses(out.hazards[..., :rounds])         # (B, T, R)
-        total += (masses * torch.arange(1, rounds + 1, dtype=masses.dtype)).sum().item()
-        count += x.numel()
-    return total / max(1, count)
+    model.eval()
+    device = next(model.parameters()).device
+    total, depth, count = 0.0, 0.0, 0
+    every = tuple(range(1, rounds + 1))
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)                                    # (B, T) each
+        out = model(x, rounds, readout_rounds=every if losses else None, generator=_seeded(count))
+        masses = hazards_to_masses(out.hazards[..., :rounds])                 # (B, T, R)
+        depth += (masses * torch.arange(1, rounds + 1, dtype=masses.dtype, device=device)).sum().item()
+        if losses:
+            per_round = torch.stack([token_losses(out.round_logits[t], y) for t in every], -1)   # (B, T, R)
+            total += act_mixture_terms(per_round, masses, beta=0.0, reduce=False).task.sum().item()
+        count += y.numel()
+    count = max(1, count)
+    rep: dict[str, Any] = {"rounds": rounds, "mean_exit_round": depth / count}
+    if losses:
+        rep.update(loss=total / count, ppl=math.exp(min(50.0, total / count)))
+    return rep
 
 
 SWEEP_KINDS = ("quantile", "entropy", "kl")
