@@ -233,3 +233,15 @@ def test_a_separator_with_escapes_survives_the_saved_recipe(tmp_path, sep):
     recipe = recipe_for(path, **{"data.length_unit": "items", "data.item_separator": sep})
     (tmp_path / "r.toml").write_text(recipe.to_toml())
     assert recipe_from_dict(read_recipe_dict(str(tmp_path / "r.toml"))).data.item_separator == sep
+
+
+def test_experiment_report_names_a_jsonl_files_own_lengths():
+    """A JSONL task has no generator's length dial: the experiment's report says so, and never "None items"."""
+    from looplm.experiments.extrapolate import _setting_lines
+    result = {"recipe": looplm.load_recipe("extrapolate").to_dict(), "train_difficulty_min": 1,
+              "train_difficulty_max": 4, "train_rounds": {"min": 1, "max": 8}, "eval_rounds_max": 16,
+              "eval_difficulty_max": 8, "prompt_length": {"items": None, "tokens_by_difficulty": {"1": 37.3, "8": 58.0}}}
+    text = "\n".join(_setting_lines(result))
+    assert "None" not in text and "the data file's own" in text and "1: 37, 8: 58" in text
+    result["prompt_length"]["items"] = 10
+    assert "every prompt has 10 items" in "\n".join(_setting_lines(result))

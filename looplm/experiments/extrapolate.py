@@ -593,8 +593,10 @@ def _setting_lines(result: dict[str, Any]) -> list[str]:
         f"for {rec['train']['steps']} steps of {rec['train']['batch_size']} examples; the looped model ran "
         f"{result['train_rounds']['min']}..{result['train_rounds']['max']} rounds in training and is evaluated at "
         f"1..{result['eval_rounds_max']} rounds on difficulties up to {result['eval_difficulty_max']}.", "",
-        f"Prompt length is a separate dial: every prompt has {pl['items']} items (distractors pad easier "
-        "examples), so difficulty never shows in the length. Mean prompt tokens by difficulty: "
+        (f"Prompt length is a separate dial: every prompt has {pl['items']} items (distractors pad easier "
+         "examples), so difficulty never shows in the length." if pl["items"] is not None else
+         "Prompt lengths are the data file's own (a JSONL task has no generator's length dial).")
+        + " Mean prompt tokens by difficulty: "
         + ", ".join(f"{k}: {v:.0f}" for k, v in pl["tokens_by_difficulty"].items()) + ".", "",
         *(["Round targets: `trace`. Every round was supervised; round r < k of a k-hop training example was "
            "trained to read out the name reached after r hops, the final round and rounds from k on the "
