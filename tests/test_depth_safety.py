@@ -169,6 +169,34 @@ def test_state_norm_keeps_the_state_at_unit_rms_and_profile_matches_hand_states(
     assert abs(prof[8]["state_rms"] - 1.0) > 1e-2                      # without the norm it is not held at 1
 
 
+def test_decay_injection_matches_its_closed_form_with_identity_blocks():
+    """With every core block an identity (its output projections zeroed) a round is s_r = a * s_(r-1) + e,
+    so s_r = a^r s_0 + e (1 - a^r) / (1 - a): bounded by |s_0| + |e| / (1 - a) at any depth, where additive
+    injection's s_0 + r e grows without end. The forward's states and the gradient reaching theta against
+    that closed form, evaluated in float64 from theta itself."""
+    rec, model, x, _ = _model_and_batch(**{"model.injection": "decay", "model.injection_decay_init": 0.7})
+    d = rec.model.d_model
+    assert torch.allclose(model.carry(), torch.full((d,), 0.7))
+    with torch.no_grad():
+        for blk in model.core:
+            blk.attn.o.weight.zero_()
+            blk.mlp.down.weight.zero_()
+        model.decay.copy_(torch.linspace(-2.0, 1.0, d))               # carries from 0.87 down to 0.07
+    rounds = 4 * R
+    out = model(x, rounds, collect_stats=True)
+    _, e, s0 = model.loop_inputs(x)
+    theta = model.decay.detach().double().requires_grad_(True)
+    a = torch.exp(-torch.exp(theta))
+    for r in range(1, rounds + 1):
+        want = a ** r * s0.double() + e.double() * (1 - a ** r) / (1 - a)
+        assert torch.allclose(out.round_states[r - 1].double(), want, rtol=1e-5, atol=1e-5), r
+    # gradient of a scalar of the last state: autograd through the model's loop vs through the closed form
+    w = torch.randn(out.round_states[-1].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (out.round_states[-1].double() * w).sum().backward()
+    ((a ** rounds * s0.double().detach() + e.double().detach() * (1 - a ** rounds) / (1 - a)) * w).sum().backward()
+    assert torch.allclose(model.decay.grad.double(), theta.grad, rtol=1e-4, atol=1e-5)
+
+
 def _profile(loss, rms, deepest=2):
     return {"deepest_trained": deepest, "loss": {str(r): v for r, v in enumerate(loss, 1)},
             "state_rms": {str(r): v for r, v in enumerate(rms, 1)},
@@ -210,6 +238,9 @@ def test_experiment_depth_quick_end_to_end(tmp_path, capsys):
     (["train", "--set", "supervision.fixed_point_rounds=2"], "supervision.fixed_point_rounds"),
     (["train", "--set", "depth.kind=geometric", "--set", "depth.stop_prob=0"], "depth.stop_prob"),
     (["train", "--set", "supervision.fixed_point=-1"], "supervision.fixed_point"),
+    (["train", "--set", "model.injection=decay", "--set", "model.injection_decay_init=1"],
+     "model.injection_decay_init"),
+    (["train", "--set", "model.injection_decay_init=0.7"], "model.injection_decay_init"),
     (["experiment", "depth", "--quick", "--variants", "bogus"], "--variants"),
 ])
 def test_refusals_name_the_field(args, field, tmp_path, capsys):

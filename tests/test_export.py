@@ -40,7 +40,7 @@ KINDS = {
               "model.rope_factor": 4.0, "model.rope_original_context": 32},
     "moe": {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_hidden": 32, "model.init_state": "prelude",
             "model.injection": "none", "model.rope_scaling": "linear", "model.rope_factor": 2.0},
-    "untied": {"model.untied": True, "model.init_state": "prelude"},
+    "untied": {"model.untied": True, "model.init_state": "prelude", "model.injection": "decay"},
     "mor_token": {"model.mor": "token_choice"},
     "mor_expert": {"model.mor": "expert_choice", "model.mor_causal": "aux_router", "model.mor_cache": "shared_first"},
 }

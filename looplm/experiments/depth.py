@@ -14,6 +14,8 @@ with the loop state's RMS and its relative change per round measured from the st
     state_norm         model.state_norm: the state RMS-normalised after every round
     fixed_point        supervision.fixed_point: the terminal fixed-point term on the final rounds
     state_norm+fixed_point   both
+    decay              model.injection = decay: the state carried into each round scaled by a learned
+                       per-channel a in (0, 1) (a * s + e instead of s + e)
 
 The goal line per variant, as stated in the report: validation loss at 2x and at 4x the deepest
 training depth at most GOAL_GAP above the variant's best depth, the state RMS at 4x at most
@@ -66,6 +68,7 @@ def variant_overrides(base: Recipe) -> dict[str, dict[str, Any]]:
         "state_norm": {"model.state_norm": True},
         "fixed_point": fixed_point,
         "state_norm+fixed_point": {"model.state_norm": True, **fixed_point},
+        "decay": {"model.injection": "decay"},
     }
 
 

@@ -41,7 +41,7 @@ MODEL_FIELDS: dict[str, tuple | None] = {
     "vocab_size": ANY, "d_model": ANY, "n_heads": ANY, "n_kv_heads": ANY, "head_dim": ANY, "ffn_hidden": ANY,
     "context": ANY, "n_prelude": ANY, "n_core": ANY, "n_coda": ANY,
     "init_state": ("zeros", "prelude", "random"), "init_state_std": ANY,
-    "injection": ("none", "add", "concat"), "norm": ("pre", "sandwich"), "residual_scaling": ("none", "deeploop"),
+    "injection": ("none", "add", "concat", "decay"), "norm": ("pre", "sandwich"), "residual_scaling": ("none", "deeploop"),
     "deeploop_p": ANY, "state_norm": ANY, "tie_embeddings": ANY, "untied": ANY,
     "rope_base": ANY, "rope_scaling": ("none", "linear", "llama3"), "rope_factor": ANY,
     "rope_low_freq_factor": ANY, "rope_high_freq_factor": ANY, "rope_original_context": ANY,
@@ -66,7 +66,7 @@ SECTIONS: dict[str, dict[str, tuple | None]] = {
 """Per recipe section, the fields the export reads and the values the template implements."""
 
 TRAINING_ONLY: dict[str, tuple[str, ...]] = {
-    "model": ("init_std", "mor_capacity"),
+    "model": ("init_std", "mor_capacity", "injection_decay_init"),
     "backward": ("window",),
     "supervision": ("kind", "rounds", "weights", "entropy_beta", "prior", "geometric_lambda", "moe_balance",
                     "moe_z", "mor_balance", "mor_z", "mor_bias_rate", "mor_aux", "fixed_point", "fixed_point_rounds"),

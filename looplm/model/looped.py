@@ -104,6 +104,8 @@ class LoopedLM(nn.Module):
         self.core = nn.ModuleList(Block(cfg, alpha, moe=cfg.moe_experts > 0) for _ in range(n_core_blocks))
         self.coda = nn.ModuleList(Block(cfg) for _ in range(cfg.n_coda))
         self.adapter = nn.Linear(2 * d, d, bias=False) if cfg.injection == "concat" else None
+        # decay injection's theta (d,): the carry a = exp(-exp(theta)) lies in (0, 1) for every theta
+        self.decay = nn.Parameter(torch.empty(d)) if cfg.injection == "decay" else None
         self.state_norm = nn.RMSNorm(d, eps=cfg.norm_eps) if cfg.state_norm else None
         self.gate = nn.Sequential(nn.RMSNorm(d, eps=cfg.norm_eps), nn.Linear(d, 1)) if exit_gate else None
         # Mixture-of-Recursions (model/recursions.py): token choice scores the depths 1..rounds once; expert
@@ -173,6 +175,9 @@ class LoopedLM(nn.Module):
         if self.adapter is not None:  # start as s + e so the loop begins like additive injection
             with torch.no_grad():
                 self.adapter.weight.copy_(torch.cat([torch.eye(cfg.d_model)] * 2, dim=1))
+        if self.decay is not None:    # every channel's carry starts at injection_decay_init
+            with torch.no_grad():
+                self.decay.fill_(math.log(-math.log(cfg.injection_decay_init)))
 
     # -- pieces ---------------------------------------------------------------------
     def rope(self, start: int, T: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -216,7 +221,13 @@ class LoopedLM(nn.Module):
             return s + e
         if kind == "concat":
             return ops.linear(torch.cat([s, e], dim=-1), self.adapter.weight)
+        if kind == "decay":          # a * s + e: a constant update per round now saturates at (e + u) / (1 - a)
+            return self.carry().to(s.dtype) * s + e
         return s
+
+    def carry(self) -> Tensor:
+        """Decay injection's per-channel carry a = exp(-exp(theta)) (d,), in float32."""
+        return torch.exp(-torch.exp(self.decay.float()))
 
     @staticmethod
     def visit(block: Block, x: Tensor, rope, cache: Any, slot: tuple, ops: Ops) -> Tensor:
@@ -440,7 +451,7 @@ class LoopedLM(nn.Module):
     def param_groups_by_role(self) -> dict[str, int]:
         """Stored parameter counts by role, each tensor counted once."""
         roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
-                 "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "gate": [self.gate],
+                 "coda": [self.coda, self.final_norm], "adapter": [self.adapter, self.decay], "gate": [self.gate],
                  "router": [self.mor_router, self.mor_aux_router], "feedback": [self.feedback],
                  "state_norm": [self.state_norm], "head": [self.head]}
         seen: set[int] = set()
@@ -448,7 +459,7 @@ class LoopedLM(nn.Module):
         for role, mods in roles.items():
             n = 0
             for m in mods:
-                for p in (m.parameters() if m is not None else ()):
+                for p in ((m,) if isinstance(m, nn.Parameter) else m.parameters() if m is not None else ()):
                     if id(p) not in seen:
                         seen.add(id(p))
                         n += p.numel()

@@ -109,8 +109,12 @@ class ModelConfig:
     """Loop state before round 1: zeros, the prelude output e, or normal noise with std init_state_std (Huginn)."""
     init_state_std: float = applies(when("model.init_state", "random"), default=1.0)
     """Std of the random initial state."""
-    injection: Literal["none", "add", "concat"] = "add"
-    """How e re-enters each round: not at all, s + e, or Linear(2d -> d) of [s, e] (Huginn's adapter)."""
+    injection: Literal["none", "add", "concat", "decay"] = "add"
+    """How e re-enters each round: not at all, s + e, Linear(2d -> d) of [s, e] (Huginn's adapter), or
+    a * s + e with a learned per-channel carry a = exp(-exp(theta)) in (0, 1) (a stable diagonal, as
+    Parcae's): s + e adds e again every round, so the state grows with depth; a carry below 1 bounds it."""
+    injection_decay_init: float = applies(when("model.injection", "decay"), default=0.5)
+    """The carry a every channel starts at, in (0, 1): the state's memory of earlier rounds."""
     norm: Literal["pre", "sandwich"] = applies(unless("model.residual_scaling", "deeploop"), default="pre")
     """Pre-norm blocks, or sandwich norm (norm before and after each branch, as Huginn). DeepLoop's scaled
     residual replaces the block norms, so with it this stays at "pre"."""
@@ -221,6 +225,7 @@ class ModelConfig:
                "model.local_blocks", f"must be distinct block positions in 0..{n_blocks - 1} (prelude, core, coda)")
         _check(self.norm_eps > 0, "model.norm_eps", "must be > 0")
         _check(self.init_std > 0, "model.init_std", "must be > 0")
+        _check(0 < self.injection_decay_init < 1, "model.injection_decay_init", "must lie strictly between 0 and 1")
         _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
                'none needs init_state = "prelude" (otherwise the core never sees the input)')
         _check(self.moe_experts >= 0, "model.moe_experts", "must be >= 0 (0 = a dense FFN)")

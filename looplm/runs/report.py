@@ -25,7 +25,10 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
             "random": f"Gaussian noise with std {m.init_state_std} (Huginn), drawn per step"}[m.init_state]
     inject = {"none": "not re-injected (the core sees the input only through the initial state)",
               "add": "added to the state before every round (s + e)",
-              "concat": "concatenated with the state and mapped back by a Linear(2d -> d) adapter every round"}[m.injection]
+              "concat": "concatenated with the state and mapped back by a Linear(2d -> d) adapter every round",
+              "decay": (f"added to the state carried with a learned per-channel factor a in (0, 1) every round "
+                        f"(a * s + e; a started at {m.injection_decay_init}): the state stays bounded at any depth")
+              }[m.injection]
     if d.kind == "fixed":
         depth = f"fixed at {d.rounds} rounds every step"
     elif d.kind == "uniform":

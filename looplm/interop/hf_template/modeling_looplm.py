@@ -574,6 +574,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         self.core = nn.ModuleList(LoopLMBlock(c, self.alpha, experts=c.moe_experts > 0) for _ in range(n_core))
         self.coda = nn.ModuleList(LoopLMBlock(c) for _ in range(c.n_coda))
         self.adapter = nn.Linear(2 * d, d, bias=False) if c.injection == "concat" else None
+        self.decay = nn.Parameter(torch.zeros(d)) if c.injection == "decay" else None   # carry exp(-exp(theta))
         self.state_norm = nn.RMSNorm(d, eps=c.norm_eps) if c.state_norm else None
         self.gate = nn.Sequential(nn.RMSNorm(d, eps=c.norm_eps), nn.Linear(d, 1)) if c.exit_gate else None
         self.mor_router = nn.Linear(d, c.nominal_rounds, bias=False) if c.mor != "none" else None
@@ -666,6 +667,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             return s + e
         if kind == "concat":
             return self.adapter(torch.cat([s, e], dim=-1))
+        if kind == "decay":
+            return torch.exp(-torch.exp(self.decay.float())).to(s.dtype) * s + e
         return s
 
     def _core_step(self, s, e, r, rope, cache) -> torch.Tensor:
