@@ -1093,7 +1093,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "depth":
             xp.add_argument("--variants", metavar="V1,V2,...",
                             help="which variants to train beside plain (default all: plain, stochastic_stop, "
-                                 "state_norm, fixed_point, state_norm+fixed_point, decay)")
+                                 "state_norm, fixed_point, state_norm+fixed_point, and decay or additive: whichever injection the base lacks)")
         xp.set_defaults(func=func)
     return p
 

@@ -450,8 +450,9 @@ def gated_run(tmp_path_factory):
     corpus.mkdir()
     for i in range(6):
         (corpus / f"doc{i}.py").write_text("\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}" for j in range(60)))
+    # additive injection: the exits the tests below need (tokens leaving at different rounds) were found with it
     rec = tiny_recipe(**{"depth.rounds": R, "exit.gate": True, "supervision.kind": "learned_exit",
-                         "supervision.prior": "uniform", "data.path": str(corpus)})
+                         "supervision.prior": "uniform", "data.path": str(corpus), "model.injection": "add"})
     train(rec, root / "run", quiet=True)
     return root / "run"
 

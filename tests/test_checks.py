@@ -5,6 +5,7 @@ import copy
 import json
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -267,7 +268,7 @@ def _scale_core(model, factor):
 
 
 def test_state_growth_past_trained_depth_fails():
-    run = untrained_run(**{"depth.rounds": 4})
+    run = untrained_run(**{"depth.rounds": 4, "model.injection": "add"})    # s + e: e enters once more each round
     _scale_core(run.model, 30.0)
     rms = _state_rms_by_hand(run.model, torch.randint(0, 256, (2, 24)), 8)
     assert rms[-1] / rms[3] > STATE_GROWTH_LIMIT          # the constructed model really grows (about 2x)
@@ -277,9 +278,11 @@ def test_state_growth_past_trained_depth_fails():
     assert f"limit {STATE_GROWTH_LIMIT}x" in result.detail
 
 
-def test_state_growth_check_passes_a_normalised_state():
-    run = untrained_run(**{"depth.rounds": 4, "model.state_norm": True})
-    _scale_core(run.model, 30.0)                           # same weights' scale; the state norm holds it
+@pytest.mark.parametrize("bound", [{"model.state_norm": True, "model.injection": "add"},
+                                   {"model.injection": "decay"}])
+def test_state_growth_check_passes_a_bounded_state(bound):
+    run = untrained_run(**{"depth.rounds": 4, **bound})
+    _scale_core(run.model, 30.0)          # same weights' scale; the state norm or the carry below 1 holds it
     rms = _state_rms_by_hand(run.model, torch.randint(0, 256, (2, 24)), 8)
     assert rms[-1] / rms[3] <= STATE_GROWTH_LIMIT
     result = check_state_stability(run)
@@ -319,7 +322,7 @@ def test_quantile_exit_check_catches_a_controller_off_its_threshold(monkeypatch)
     import looplm.inference.early_exit as ee
     from looplm.checks import check_quantile_thresholds
     run = untrained_run(**{"exit.gate": True, "supervision.kind": "learned_exit", "depth.kind": "fixed",
-                           "depth.rounds": 4, "model.context": 32})
+                           "depth.rounds": 4, "model.context": 32, "model.injection": "add"})
     with torch.no_grad():                      # hazards spread over rounds, so exits differ by token
         for p in run.model.gate.parameters():
             p.normal_(0, 2.0)

@@ -17,8 +17,9 @@ from looplm.inference.engine import Engine, GenerationConfig, SamplingParams, ge
 from looplm.model.flops import DecodeWork, decode_flops
 
 # init_std 0.3 spreads the logits (greedy far from ties); one draft round disagrees with four often
+# additive injection: the exit patterns the cases below pin come from this untrained model's rounds
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
-        "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 4, "data.seq_len": 32}
+        "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 4, "data.seq_len": 32, "model.injection": "add"}
 
 
 @pytest.mark.parametrize("options", [{"speculative": "1:3"}, {"speculative": "exit:4", "exit": "kl:0.1"}])

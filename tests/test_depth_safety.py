@@ -240,7 +240,8 @@ def test_experiment_depth_quick_end_to_end(tmp_path, capsys):
     (["train", "--set", "supervision.fixed_point=-1"], "supervision.fixed_point"),
     (["train", "--set", "model.injection=decay", "--set", "model.injection_decay_init=1"],
      "model.injection_decay_init"),
-    (["train", "--set", "model.injection_decay_init=0.7"], "model.injection_decay_init"),
+    (["train", "--set", "model.injection=add", "--set", "model.injection_decay_init=0.7"],
+     "model.injection_decay_init"),
     (["experiment", "depth", "--quick", "--variants", "bogus"], "--variants"),
 ])
 def test_refusals_name_the_field(args, field, tmp_path, capsys):

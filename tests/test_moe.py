@@ -17,7 +17,7 @@ from looplm.model.moe import Routing, moe_losses, routing_stats
 
 MOE = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64, "model.n_core": 2,
        "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32, "model.moe_experts": 4, "model.moe_top_k": 2,
-       "model.moe_hidden": 24, "model.init_std": 0.3}
+       "model.moe_hidden": 24, "model.init_std": 0.3, "model.injection": "add"}   # as the loopmoe recipe
 
 
 def moe_model(**over):
@@ -150,7 +150,8 @@ def test_flops_of_a_two_block_three_round_moe_by_hand_and_by_pytorch():
     assert stored - per_token != 0
     idle = 2 * (E - k) * 3 * d * h                        # per visit, the experts a token did not use
     dense_core = sum(p.numel() for p in m.core.parameters())
-    assert per_token == pytest.approx(stored - dense_core + 3 * (dense_core - idle))
+    carry = m.decay.numel() if m.decay is not None else 0   # decay injection's carry: applied every round too
+    assert per_token == pytest.approx(stored - dense_core - carry + 3 * (dense_core - idle + carry))
 
 
 def test_cached_decode_equals_the_full_forward():
@@ -234,9 +235,10 @@ def test_loopmoe_run_reports_routing_and_decodes_through_the_cli(tmp_path, capsy
     # with their k = 2 chosen experts of 4 (each 3 x 32 x 16), not all 4
     stored = sum(p.numel() for p in run.model.parameters())
     core = sum(p.numel() for p in run.model.core.parameters())
+    carry = run.model.decay.numel()          # the quickstart's decay injection: its carry applies every round
     idle = 2 * (4 - 2) * 3 * 32 * 16
     assert report["params_stored"] == stored
-    assert report["params_per_token_visit"] == stored - core + 3 * (core - idle)
+    assert report["params_per_token_visit"] == stored - core - carry + 3 * (core - idle + carry)
     assert main(["eval", str(tmp_path / "run"), "--rounds", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["routing"]["layers"] == want
     assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "5"]) == 0

@@ -16,6 +16,8 @@ with the loop state's RMS and its relative change per round measured from the st
     state_norm+fixed_point   both
     decay              model.injection = decay: the state carried into each round scaled by a learned
                        per-channel a in (0, 1) (a * s + e instead of s + e)
+    additive           model.injection = add (s + e), the quickstart's injection before decay
+A variant the base recipe already is (decay or additive) is left out.
 
 The goal line per variant, as stated in the report: validation loss at 2x and at 4x the deepest
 training depth at most GOAL_GAP above the variant's best depth, the state RMS at 4x at most
@@ -51,7 +53,13 @@ QUICK = {"model.d_model": 32, "model.n_heads": 2, "model.n_kv_heads": 2, "data.s
 
 
 def variant_overrides(base: Recipe) -> dict[str, dict[str, Any]]:
-    """Each variant's changes to the base recipe."""
+    """Each variant's changes to the base recipe (the variants the base is not already)."""
+    variants = _all_variants(base)
+    # a variant the base already is (decay on the decayed quickstart) would only retrain plain
+    return {k: v for k, v in variants.items() if k == "plain" or any(base_value(base, f) != x for f, x in v.items())}
+
+
+def _all_variants(base: Recipe) -> dict[str, dict[str, Any]]:
     d = base.depth
     lo, hi = d.min_rounds, d.max_rounds
     if hi == lo:    # a fixed-depth base: stochastic stopping around it, up to twice as deep
@@ -69,7 +77,13 @@ def variant_overrides(base: Recipe) -> dict[str, dict[str, Any]]:
         "fixed_point": fixed_point,
         "state_norm+fixed_point": {"model.state_norm": True, **fixed_point},
         "decay": {"model.injection": "decay"},
+        "additive": {"model.injection": "add"},
     }
+
+
+def base_value(base: Recipe, field: str) -> Any:
+    section, name = field.split(".")
+    return getattr(getattr(base, section), name)
 
 
 def parse_variants(text: str | None, base: Recipe) -> list[str]:
@@ -79,7 +93,9 @@ def parse_variants(text: str | None, base: Recipe) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     for v in names:
         if v not in known:
-            raise UserError(f"--variants: unknown variant {v!r}; allowed: {', '.join(known)}")
+            why = ("is the base recipe itself (plain runs it)" if v in _all_variants(base)
+                   else "is unknown")
+            raise UserError(f"--variants: variant {v!r} {why}; allowed: {', '.join(known)}")
     if not names or len(set(names)) != len(names):
         raise UserError("--variants: a comma-separated list of distinct variants, e.g. plain,state_norm")
     if "plain" not in names:    # every comparison is against it

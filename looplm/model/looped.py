@@ -451,7 +451,7 @@ class LoopedLM(nn.Module):
     def param_groups_by_role(self) -> dict[str, int]:
         """Stored parameter counts by role, each tensor counted once."""
         roles = {"embed": [self.embed], "prelude": [self.prelude], "core": [self.core],
-                 "coda": [self.coda, self.final_norm], "adapter": [self.adapter, self.decay], "gate": [self.gate],
+                 "coda": [self.coda, self.final_norm], "adapter": [self.adapter], "carry": [self.decay], "gate": [self.gate],
                  "router": [self.mor_router, self.mor_aux_router], "feedback": [self.feedback],
                  "state_norm": [self.state_norm], "head": [self.head]}
         seen: set[int] = set()
@@ -471,10 +471,10 @@ class LoopedLM(nn.Module):
 
     def params_per_token_visit(self, rounds: float) -> float:
         """Parameters applied to one token over a forward pass at (mean) depth `rounds`.
-        Per-round pieces (core, adapter, gate, state norm) count once per round; an untied core
+        Per-round pieces (core, adapter, carry, gate, state norm) count once per round; an untied core
         runs each of its blocks once."""
         c = self.param_groups_by_role()
-        per_round = c["adapter"] + c["gate"] + c["state_norm"]   # feedback's fusion: once per position, in "embed"'s place
+        per_round = c["adapter"] + c["carry"] + c["gate"] + c["state_norm"]   # feedback's fusion: once per position, in "embed"'s place
         if self.cfg.moe_experts:    # a visit applies the k experts a token chose, not all E
             cfg = self.cfg
             idle = len(self.core) * (cfg.moe_experts - cfg.moe_top_k) * 3 * cfg.d_model * cfg.moe_hidden
