@@ -243,6 +243,7 @@ def test_experiment_depth_quick_end_to_end(tmp_path, capsys):
     (["train", "--set", "model.injection=add", "--set", "model.injection_decay_init=0.7"],
      "model.injection_decay_init"),
     (["experiment", "depth", "--quick", "--variants", "bogus"], "--variants"),
+    (["experiment", "depth", "--quick", "--variants", "decay"], "is the base recipe itself"),   # quickstart decays
 ])
 def test_refusals_name_the_field(args, field, tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "x")]) == 2
