@@ -125,7 +125,9 @@ def test_param_accounting():
     roles = m.param_groups_by_role()
     assert m.params_stored() == sum(p.numel() for p in m.parameters())
     applied = m.params_per_token_visit(4)
-    assert applied == pytest.approx(m.params_stored() + 3 * (roles["core"] + roles["adapter"] + roles["state_norm"]))
+    per_round = roles["core"] + roles["adapter"] + roles["carry"] + roles["state_norm"]
+    assert roles["carry"] == rec.model.d_model            # the quickstart's decay injection: one carry per channel
+    assert applied == pytest.approx(m.params_stored() + 3 * per_round)
 
 
 def test_deeploop_scales_and_shared_init_once():
