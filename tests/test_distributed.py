@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,24 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _wait_gone(pids: list[int], timeout: float = 60.0) -> None:
+    """Kill the given processes and wait until none runs (a zombie has stopped writing)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                break
+            if state in ("Z", "X"):
+                break
+            time.sleep(0.01)
+
+
 def _checkpoint_step(run: Path) -> int | None:
     from looplm.runs.checkpoint import load_state, repair_checkpoint
     repair_checkpoint(run)        # what --resume does first
@@ -235,7 +255,8 @@ def _kill_loop(run: Path, launch: list[str], kills: list[tuple[int, float, str]]
         while _logged(run) < at and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(delay)                               # anywhere in a step, or in a checkpoint write
-        if target == "rank" and (workers := _children(proc.pid)):
+        workers = _children(proc.pid)
+        if target == "rank" and workers:
             os.kill(workers[-1], signal.SIGKILL)
             proc.wait(timeout=60)                       # torchrun tears the job down
         try:
@@ -243,6 +264,7 @@ def _kill_loop(run: Path, launch: list[str], kills: list[tuple[int, float, str]]
         except ProcessLookupError:                      # already gone (torchrun after a rank's death)
             pass
         proc.wait(timeout=60)
+        _wait_gone(workers)                             # a dying rank may still be writing checkpoint.next
         step, done = _checkpoint_step(run), _logged(run)
         # at most one checkpoint interval of logged steps is lost
         every = KILL["train.checkpoint_every"]
