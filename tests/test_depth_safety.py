@@ -110,6 +110,23 @@ def test_fixed_point_term_function_rounds_and_masks():
     assert masked.item() == pytest.approx(per[valid].mean().item(), rel=1e-6)
 
 
+def test_decay_carry_is_recorded_as_training_left_it(tmp_path):
+    """report.json's depth_safety.carry: the carries of the saved weights (not the start), and the card says them."""
+    rec = tiny_recipe(**{"model.injection": "decay", "model.injection_decay_init": 0.6, "optim.lr": 0.05,
+                         "train.steps": 4})
+    train(rec, tmp_path / "run", quiet=True)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    a = looplm.load_run(tmp_path / "run").model.carry()
+    carry = report["depth_safety"]["carry"]
+    assert carry["start"] == 0.6 and not torch.allclose(a, torch.full_like(a, 0.6))      # training moved them
+    assert carry["min"] == pytest.approx(a.min().item()) and carry["max"] == pytest.approx(a.max().item())
+    assert carry["mean"] == pytest.approx(a.mean().item())
+    assert f"mean {carry['mean']:.3f}" in (tmp_path / "run" / "report.md").read_text()
+    plain = tiny_recipe(**{"model.injection": "add", "train.steps": 1})
+    train(plain, tmp_path / "add", quiet=True)
+    assert "carry" not in json.loads((tmp_path / "add" / "report.json").read_text())["depth_safety"]
+
+
 def test_fixed_point_reaches_the_final_round_and_is_recorded(tmp_path):
     from conftest import write_corpus
     rec, model, x, y = _model_and_batch(**{"supervision.kind": "rounds", "supervision.rounds": [1],

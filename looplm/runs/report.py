@@ -27,7 +27,7 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
               "add": "added to the state before every round (s + e)",
               "concat": "concatenated with the state and mapped back by a Linear(2d -> d) adapter every round",
               "decay": (f"added to the state carried with a learned per-channel factor a in (0, 1) every round "
-                        f"(a * s + e; a started at {m.injection_decay_init}): the state stays bounded at any depth")
+                        f"(a * s + e; a started at {m.injection_decay_init}), so e no longer piles up round after round")
               }[m.injection]
     if d.kind == "fixed":
         depth = f"fixed at {d.rounds} rounds every step"
@@ -141,6 +141,10 @@ def _placement_lines(report: dict[str, Any]) -> list[str]:
         out.append(f"- fixed-point term (weight {fp['weight']}): carried by {fp['micro_batches']} micro-batches "
                    + (f"(mean unweighted value {fp['mean_term']:.4g})" if fp["micro_batches"] else
                       "-- NEVER APPLIED: every step ran one round"))
+    carry = report.get("depth_safety", {}).get("carry")
+    if carry:
+        out.append(f"- decay injection's carry after training (started at {carry['start']}): min {carry['min']:.3f}, "
+                   f"mean {carry['mean']:.3f}, max {carry['max']:.3f}")
     gate = report.get("exit_gate")
     if gate:
         n, total = gate["steps_with_gradient"], gate["steps"]

@@ -59,6 +59,13 @@ def lr_at(step: int, recipe: Recipe) -> float:
     return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
+def carry_record(model: torch.nn.Module) -> dict[str, Any]:
+    """Decay injection's per-channel carries as training left them (read from the weights)."""
+    a = model.carry().detach()       # build_report's model: the plain copy of the final weights, even after FSDP
+    return {"start": model.cfg.injection_decay_init, "min": a.min().item(), "mean": a.mean().item(),
+            "max": a.max().item()}
+
+
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, trainable_only: bool = False) -> torch.optim.AdamW:
     """AdamW; matrices decay, norms/biases/embeddings do not. named_parameters() yields a shared
     tensor once, so the optimizer sees each shared tensor once. trainable_only: leave out frozen
@@ -772,7 +779,8 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
                                              "rounds": recipe.supervision.fixed_point_rounds,
                                              "micro_batches": counters.fixed_point_micro,
                                              "mean_term": counters.fixed_point_sum / max(1, counters.fixed_point_micro)}}
-                            if recipe.supervision.fixed_point else {})},
+                            if recipe.supervision.fixed_point else {}),
+                         **({"carry": carry_record(model)} if recipe.model.injection == "decay" else {})},
         **({"exit_gate": {"steps_with_gradient": counters.gate_grad_steps, "steps": len(counters.losses),
                           "parameters": sum(p.numel() for p in model.gate.parameters())}}
            if model.gate is not None else {}),
