@@ -39,7 +39,8 @@ KINDS = {
               "model.attn_scale": 0.3, "model.embed_scale": 2.0, "model.rope_scaling": "llama3",
               "model.rope_factor": 4.0, "model.rope_original_context": 32},
     "moe": {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_hidden": 32, "model.init_state": "prelude",
-            "model.injection": "none", "model.rope_scaling": "linear", "model.rope_factor": 2.0},
+            "model.injection": "none", "model.rope_scaling": "linear", "model.rope_factor": 2.0,
+            "model.kv_sharing": "first"},
     "untied": {"model.untied": True, "model.init_state": "prelude", "model.injection": "decay"},
     "mor_token": {"model.mor": "token_choice"},
     "mor_expert": {"model.mor": "expert_choice", "model.mor_causal": "aux_router", "model.mor_cache": "shared_first"},
@@ -146,7 +147,10 @@ def test_logits_equal_the_looplm_forward(exported, kind):
     x = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, want = hf(x), lrun.model(x)
-        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-5)
+        # kv_sharing = first: the export runs the chunk column by column, looplm as one masked product (another
+        # summation order: 4.5e-5 on these logits of unit-variance weights); a missed rule moves them by ~1
+        atol = 1e-4 if KINDS[kind].get("model.kv_sharing") == "first" else 1e-5
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=atol)
         if kind.startswith("mor"):        # the router's depths, decided causally token by token
             assert torch.equal(got.rounds_used, want.rounds_used) and len(set(want.rounds_used.flatten().tolist())) > 1
             with pytest.raises(ValueError, match="router decides"):
@@ -155,7 +159,7 @@ def test_logits_equal_the_looplm_forward(exported, kind):
             with pytest.raises(ValueError, match="untied baseline runs exactly 3 rounds"):
                 hf(x, rounds=5)
         else:                             # another depth, asked per call
-            torch.testing.assert_close(hf(x, rounds=5).logits, lrun.model(x, 5).logits, rtol=0, atol=1e-5)
+            torch.testing.assert_close(hf(x, rounds=5).logits, lrun.model(x, 5).logits, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -258,7 +258,8 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
     device = idx.device
     ctl = ExitController(policy, R, B * T, prefill=prefill, may_exit=may_exit, device=device)
     rope_full, e, s = model.loop_inputs(idx, generator=generator)      # e, s: (B, T, d); the prelude runs once
-    if model.cfg.n_coda and ctl.read_rounds - {R}:
+    if model.cfg.n_coda and ctl.read_rounds - {R} or model.cfg.kv_sharing == "first":
+        # kv_sharing = first: every round reads earlier tokens' round-1 entries, the engine's cache policy first
         return _column_by_column(model, idx, s, ctl, missing, prefill)
     kv = SequenceKV(B, T, device, missing)
     use_gate = ctl.needs_hazard
@@ -317,7 +318,8 @@ def early_exit(model, idx: Tensor, policy: str | ExitPolicy, rounds: int | None 
 
 def _column_by_column(model, idx: Tensor, s0: Tensor, ctl: ExitController, missing: str,
                       prefill: bool) -> AdaptiveOutput:
-    """early_exit for readout-deciding policies on a model with a coda: the sequence decoded
+    """early_exit for readout-deciding policies on a model with a coda, and for a kv_sharing = first model
+    (whose rule the engine's cache keeps): the sequence decoded
     one column at a time through the Engine's cached chunks (teacher forcing), with the initial
     states s0 (B, T, d) the whole-sequence pass drew. state and hazards are not recorded."""
     from ..inference.engine import Engine, GenerationConfig

@@ -168,6 +168,9 @@ class Engine:
         if getattr(model, "mor_router", None) is not None:
             config = self._routed_config(config, model)
             self.config = config
+        elif self.cfg.kv_sharing == "first":
+            config = self._shared_config(config)
+            self.config = config
         check_policy(config.prefill_cache, "--prefill-cache")
         check_policy(config.decode_cache, "--decode-cache")
         if config.missing not in MISSING:
@@ -370,6 +373,22 @@ class Engine:
                             "depth are not the routed function)")
         return dataclasses.replace(config, **want, exit_in_prefill=True)
 
+    @staticmethod
+    def _shared_config(config: GenerationConfig) -> GenerationConfig:
+        """A model trained with model.kv_sharing = first decodes the function it was trained as: every
+        token's later rounds read the earlier tokens' round-1 keys/values, which is cache policy first on
+        both sides; other policies are refused, not ignored (prompts run column by column: `chunk`)."""
+        import dataclasses
+        for key in ("prefill_cache", "decode_cache"):
+            given = getattr(config, key)
+            if given not in ("first", getattr(GenerationConfig(), key)):
+                raise UserError(f"--{key.replace('_', '-')} {given}: this model was trained with model.kv_sharing = "
+                                f"first (every round reads round 1's keys/values), which decodes with {key} = first")
+        if config.speculative:
+            raise UserError("--speculative: not available for a model trained with model.kv_sharing = first (its "
+                            "verification would need the full per-round cache)")
+        return dataclasses.replace(config, prefill_cache="first", decode_cache="first")
+
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
         c = self.config
         p = next(self.model.parameters())
@@ -489,8 +508,19 @@ class Engine:
         (B, 1, d): what the next position reads. head=False (fixed depth): no LM head, logits None (a pass
         run for its cache entries); skipped: the first visits the kernels' tap supplied instead of computing
         them (recirculation's resumed pass), left out of `work`."""
-        k = self._fast or self.kernels()
         T = idx.shape[1]
+        if T > 1 and self.cfg.kv_sharing == "first":
+            # Inside a chunk the cache's attention is exact (each round sees the chunk's own keys), but this model
+            # reads earlier tokens' round-1 entries at every round: a one-column chunk's history is exactly that.
+            if trace is not None or may_exit is not None or feedback is not None or tops is not None or skipped:
+                raise ValueError("a kv_sharing = first model runs longer chunks column by column, without "
+                                 "trace, may_exit, feedback, tops or skipped visits")
+            cols = [self.chunk(idx[:, c:c + 1], start + c, cache, phase=phase, rounds=rounds, noise=noise,
+                               all_logits=all_logits, commit=commit, rows=rows, work=work, work_phase=work_phase,
+                               head=head and (all_logits or c == T - 1)) for c in range(T)]
+            logits = (torch.cat([lg for lg, _ in cols], 1) if all_logits and head else cols[-1].logits)
+            return ChunkResult(logits, cols[-1].rounds_used)
+        k = self._fast or self.kernels()
         cache.begin(start, T, phase, rows)
         rope, e, s = self.chunk_inputs(idx, start, cache, noise, rows, feedback)
         exits = self.adaptive and rounds is None and (phase == "decode" or self.policy.exit_in_prefill)

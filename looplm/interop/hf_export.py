@@ -48,7 +48,7 @@ MODEL_FIELDS: dict[str, tuple | None] = {
     "activation": ("silu", "gelu_tanh"), "qkv_bias": ANY, "qk_norm": ANY, "attn_scale": ANY, "embed_scale": ANY,
     "norm_eps": ANY, "moe_experts": ANY, "moe_top_k": ANY, "moe_hidden": ANY,
     "mor": ("none", "token_choice", "expert_choice"), "mor_alpha": ANY, "mor_causal": ("aux_loss", "aux_router"),
-    "mor_cache": ("recursion_wise", "shared_first"),
+    "mor_cache": ("recursion_wise", "shared_first"), "kv_sharing": ("none", "first"),
 }
 """Model fields the exported code reads, and the values it implements (ANY: all)."""
 
@@ -166,6 +166,8 @@ def hf_config(recipe: Any, tokenizer: Any) -> dict[str, Any]:
         rounds, policy = recipe.depth.rounds, "fixed"
         caches = ({"prefill_cache": "full", "decode_cache": "full", "missing_kv": "mask"}
                   if m.mor_cache == "recursion_wise" else {**caches, "prefill_cache": "first", "decode_cache": "first"})
+    elif m.kv_sharing == "first":   # every round reads round 1's keys/values: cache policy first on both sides
+        caches = {**caches, "prefill_cache": "first", "decode_cache": "first"}
     bos = getattr(tokenizer, "bos_id", None)
     config.update({
         "nominal_rounds": recipe.depth.rounds, "exit_gate": ex.gate, "rounds": rounds, "exit_policy": policy,

@@ -397,7 +397,11 @@ class LoopedLM(nn.Module):
                                        initial_state=initial_state, feedback=feedback)   # e, s0: (B, T, d)
 
         wanted = set(readout_rounds or ()) | {rounds}
-        step = lambda s, r: self.core_step(s, e, r, rope, cache)    # noqa: E731
+        core_cache = cache
+        if cache is None and self.cfg.kv_sharing == "first":      # later rounds read round 1's keys/values
+            from .recursions import RoutedVisibility
+            core_cache = RoutedVisibility("shared_first")
+        step = lambda s, r: self.core_step(s, e, r, rope, core_cache)    # noqa: E731
         routed = None
         if self.mor_router is not None:        # each token runs the rounds its router gives it
             if cache is not None:

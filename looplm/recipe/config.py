@@ -187,6 +187,13 @@ class ModelConfig:
     mor_cache: Literal["recursion_wise", "shared_first"] = applies(unless("model.mor", "none"), default="recursion_wise")
     """Which earlier tokens a routed round attends to: recursion_wise = only tokens that entered that round;
     shared_first = every token's round-1 keys/values (and the query's own). Changes the function trained."""
+    kv_sharing: Literal["none", "first"] = applies(when("model.mor", "none"), default="none")
+    """Which keys/values a core round attends to for earlier tokens: none = that round's own (the plain loop);
+    first = round 1's at every round, the query's own entry being its round's (Mixture-of-Recursions' recursive
+    sharing, the rule of mor_cache = shared_first without a router). Later rounds then read a memory that stays
+    put while every position goes on with its own rounds; it changes the function trained, and the decoder
+    keeps one core cache slot instead of one per round (prompt and generated tokens under cache policy
+    first). With model.mor, mor_cache says it."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "context"):
@@ -670,6 +677,8 @@ class Recipe:
         if self.feedback.mode != "none":     # what feedback's training does not cover yet: refused, not ignored
             _check(self.train.stage == 1, "feedback.mode", "has no stage II: train.stage = 1")
             _check(not self.train.alignment_every, "train.alignment_every", "measures one pass; not with feedback")
+            _check(self.model.kv_sharing == "none", "model.kv_sharing",
+                   "first is not implemented with full-bandwidth feedback (its engine decodes whole prompt chunks)")
         if self.data.depth_by_difficulty:
             _check(self.depth.kind in ("fixed", "uniform"), "data.depth_by_difficulty",
                    'draws each micro-batch\'s rounds uniformly (or runs depth.rounds): needs depth.kind = "fixed" '

@@ -86,7 +86,10 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
                    + ("stage II's continuation loss" if r.train.stage == 2 else "the learned-exit loss")
                    + f" (whether it received gradient: under What happened); default policy {r.exit.policy}")
                   if r.exit.gate else f"no exit gate; default policy {r.exit.policy}")),
-        ("cache rule", "training runs whole sequences without a cache; at generation every round keeps its own "
+        ("cache rule", "every core round attends to the earlier tokens' round-1 keys/values and its own round's "
+                       "(model.kv_sharing = first), in training and at generation (cache policy first for prompt and "
+                       "generated tokens: one core slot, not one per round)" if m.kv_sharing == "first" else
+                       "training runs whole sequences without a cache; at generation every round keeps its own "
                        "key/value history unless a cache policy says otherwise"),
     ] + ([("recursions", "Mixture-of-Recursions, expert choice: at round r a router on the state entering it keeps, "
                          f"of each sequence's tokens still running, the top share {list(round(c, 4) for c in m.mor_capacity)} "

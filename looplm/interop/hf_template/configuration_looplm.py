@@ -55,6 +55,7 @@ class LoopLMConfig(PretrainedConfig):
         mor_alpha: float = 0.1,
         mor_causal: str = "aux_loss",
         mor_cache: str = "recursion_wise",
+        kv_sharing: str = "none",
         nominal_rounds: int = 4,
         exit_gate: bool = False,
         rounds: int = 4,
@@ -83,6 +84,8 @@ class LoopLMConfig(PretrainedConfig):
         self.attn_scale, self.embed_scale, self.norm_eps = attn_scale, embed_scale, norm_eps
         self.moe_experts, self.moe_top_k, self.moe_hidden = moe_experts, moe_top_k, moe_hidden
         self.mor, self.mor_alpha, self.mor_causal, self.mor_cache = mor, mor_alpha, mor_causal, mor_cache
+        self.kv_sharing = kv_sharing
+        """first: every core round reads the earlier tokens' round-1 keys/values (decoded under cache policy first)."""
         self.nominal_rounds = nominal_rounds
         """The depth the run was built for: DeepLoop's N, the untied stack's rounds, the router's depths."""
         self.exit_gate = exit_gate

@@ -617,6 +617,12 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             rule = ExitRule("routed", c.nominal_rounds, 1, True)
             missing = want.get("missing_kv", missing_kv or c.missing_kv)
             return _Plan(c.nominal_rounds, rule, want["prefill_cache"], want["decode_cache"], missing, seed)
+        if getattr(c, "kv_sharing", "none") == "first":   # trained reading round 1's keys/values at every round
+            for key, given in (("prefill_cache", prefill_cache), ("decode_cache", decode_cache)):
+                if given is not None and given != "first":
+                    raise ValueError(f"{key} {given!r}: this model was trained with kv_sharing = first (every round "
+                                     f"reads round 1's keys/values), which decodes with {key} = 'first'")
+            prefill_cache = decode_cache = "first"
         text = (c.exit_policy if exit_policy is None else exit_policy).strip()
         if text == "fixed":
             text = f"fixed:{rounds or c.rounds}"
@@ -851,6 +857,16 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             logits = torch.stack(columns, 1)
             logits = logits[:, -keep:] if keep else logits
             rounds_used = torch.stack(used, 1)
+        elif T > 1 and getattr(self.config, "kv_sharing", "none") == "first":
+            # inside a chunk the cache attends exactly; this model reads earlier tokens' round-1 entries at every
+            # round, which is what a one-column chunk's history holds: run the chunk column by column
+            columns = []
+            for c in range(T):
+                cache.begin(start + c, 1, phase, None if mask is None else mask[:, :start + c + 1])
+                columns.append(self._fixed_chunk(input_ids[:, c:c + 1], positions[:, c:c + 1], cache, plan, 0))
+            logits = torch.cat(columns, 1)
+            logits = logits[:, -keep:] if keep else logits
+            rounds_used = torch.full((B, T), plan.R, dtype=torch.long, device=input_ids.device)
         else:
             cache.begin(start, T, phase, mask)
             logits = self._fixed_chunk(input_ids, positions, cache, plan, keep)

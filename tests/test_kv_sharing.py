@@ -1,0 +1,147 @@
+"""model.kv_sharing = "first": every core round attends to the earlier tokens' round-1 keys/values.
+
+Checked against a per-query hand computation of the rule (a cache written here, not the model's),
+against the cached engine decoding one column at a time under cache policy first, and for what
+the rule means: a later round of a token cannot see how earlier tokens' states moved after round 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import looplm
+from looplm.data.tokenizer import ByteTokenizer
+from looplm.errors import UserError
+from looplm.inference.engine import Engine, GenerationConfig, SamplingParams
+from looplm.model.blocks import sdpa
+
+SHARED = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64, "model.n_core": 2,
+          "model.n_coda": 1, "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 4,
+          "data.seq_len": 32, "model.injection": "concat", "model.kv_sharing": "first"}
+TOK = ByteTokenizer()
+
+
+def model(**over):
+    torch.manual_seed(0)
+    return looplm.build_model(looplm.load_recipe("quickstart", {**SHARED, **over})).eval()
+
+
+class HandRule:
+    """The rule written per query: at round r > 1, query t reads keys [round-1 keys of 0..t-1, its own round-r
+    key] (a loop over t, where the model builds one mask)."""
+
+    def __init__(self):
+        self.first = {}
+
+    def attend(self, slot, q, k, v):
+        kind, r, i = slot
+        if r == 1:
+            self.first[i] = (k, v)
+        k1, v1 = self.first[i]
+        out = []
+        for t in range(q.shape[2]):
+            keys = torch.cat([k1[:, :, :t], k[:, :, t:t + 1]], 2)
+            vals = torch.cat([v1[:, :, :t], v[:, :, t:t + 1]], 2)
+            out.append(sdpa(q[:, :, t:t + 1], keys, vals, None))
+        return torch.cat(out, 2)
+
+
+def test_forward_equals_the_rule_by_hand_and_differs_from_the_plain_loop():
+    shared = model()
+    plain = model(**{"model.kv_sharing": "none"})
+    plain.load_state_dict(shared.state_dict())
+    x = torch.randint(0, 257, (2, 12))
+    with torch.no_grad():
+        got = shared(x)
+        rope, e, s = plain.loop_inputs(x)
+        for r in range(1, 5):
+            if r == 1:
+                rule = HandRule()
+            s = plain.core_step(s, e, r, rope, rule)
+        want = plain.readout(s, rope)
+        torch.testing.assert_close(got.logits, want, rtol=0, atol=1e-5)
+        assert not torch.allclose(got.logits, plain(x).logits, atol=1e-3)
+        torch.testing.assert_close(shared(x, 1).logits, plain(x, 1).logits, rtol=0, atol=1e-6)  # one round: no history
+
+
+def test_later_rounds_of_earlier_tokens_are_invisible():
+    """Change what the core does at rounds >= 2 for every token but the last: the last token's final loop
+    state is unchanged with sharing (it read only their round-1 entries) and changes without. (The coda
+    still reads every earlier token's final state.)"""
+    x = torch.randint(0, 257, (1, 10))
+    for sharing, same in (("first", True), ("none", False)):
+        m = model(**{"model.kv_sharing": sharing})
+        with torch.no_grad():
+            base = m(x).state[0, -1]
+            step = m.core_step
+
+            def nudged(s, e, r, rope, cache=None, ops=None, _step=step):
+                out = _step(s, e, r, rope, cache) if ops is None else _step(s, e, r, rope, cache, ops)
+                if r >= 2:
+                    out = out.clone()
+                    out[:, :-1] += 0.5
+                return out
+
+            m.core_step = nudged
+            moved = m(x).state[0, -1]
+        assert torch.allclose(base, moved, atol=1e-5) == same, sharing
+
+
+def test_cached_decode_equals_the_full_forward():
+    """The engine decodes the trained function: cache policy first on both sides, prompt column by column;
+    greedy tokens and teacher-forced logits match the full forward; the core cache holds one slot."""
+    m = model()
+    eng = Engine(m, TOK, GenerationConfig())
+    assert (eng.config.prefill_cache, eng.config.decode_cache) == ("first", "first")
+    prompt = "rounds read round one"
+    out = eng.generate([prompt], SamplingParams(max_new_tokens=10, stop_at_eos=False))[0]
+    seq = torch.tensor([TOK.encode(prompt) + out.tokens])
+    with torch.no_grad():
+        full = m(seq[:, :-1])
+    P = len(TOK.encode(prompt))
+    assert out.tokens == full.logits[0, P - 1:].argmax(-1).tolist()
+    cache = eng.new_cache(1, seq.shape[1])
+    with torch.inference_mode():         # a whole prompt as one chunk: every column's logits
+        lg = eng.run_chunk(seq[:, :-1], 0, cache, phase="prefill", all_logits=True).logits
+    torch.testing.assert_close(lg[0], full.logits[0], rtol=0, atol=2e-4)
+    plain = Engine(model(**{"model.kv_sharing": "none"}), TOK, GenerationConfig())
+    assert cache.nbytes()["core"] * 4 == plain.new_cache(1, seq.shape[1]).nbytes()["core"]
+
+
+def test_refusals_name_the_field():
+    m = model()
+    with pytest.raises(UserError, match="kv_sharing"):
+        Engine(m, TOK, GenerationConfig(prefill_cache="full", decode_cache="last"))
+    with pytest.raises(UserError, match="kv_sharing"):
+        Engine(m, TOK, GenerationConfig(speculative="2:3"))
+    with pytest.raises(UserError, match="model.kv_sharing"):
+        looplm.load_recipe("quickstart", {"model.kv_sharing": "first", "model.mor": "token_choice",
+                                          "depth.kind": "fixed"})
+    with pytest.raises(UserError, match="model.kv_sharing"):
+        looplm.load_recipe("quickstart", {"model.kv_sharing": "last"})
+
+
+def test_training_reaches_the_core_through_round_one_keys():
+    """Gradient flows into the core from the round-1 keys/values later rounds read (with a window of all)."""
+    m = model()
+    m.train()
+    x = torch.randint(0, 257, (2, 12))
+    out = m(x)
+    out.logits.float().pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.core.parameters())
+
+
+def test_whole_sequence_early_exit_keeps_the_rule():
+    """early_exit at full depth is the forward (the rule holds there too); an entropy policy runs."""
+    from looplm.inference.early_exit import early_exit
+    m = model()
+    x = torch.randint(0, 257, (2, 10))
+    with torch.no_grad():
+        full = m(x).logits
+    got = early_exit(m, x, "fixed:4")
+    torch.testing.assert_close(got.logits, full, rtol=0, atol=2e-4)
+    out = early_exit(m, x, "entropy:100")                  # every token exits after its first round
+    assert int(out.rounds_used.max()) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(out.logits, m(x, 1).logits, rtol=0, atol=2e-4)
