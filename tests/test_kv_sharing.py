@@ -145,3 +145,25 @@ def test_whole_sequence_early_exit_keeps_the_rule():
     assert int(out.rounds_used.max()) == 1
     with torch.no_grad():
         torch.testing.assert_close(out.logits, m(x, 1).logits, rtol=0, atol=2e-4)
+
+
+def test_a_trained_run_decodes_checks_and_says_its_rule(tmp_path, capsys):
+    """End to end on a 2-step run: the card states the rule, `looplm check`'s cache check measures the decode
+    under first against the forward (and passes), the cache sweep is refused, generate decodes."""
+    from looplm.checks.core import check_cache_policies
+    from looplm.train.trainer import train
+    from conftest import cli, tiny_recipe, write_corpus
+
+    run_dir = tmp_path / "run"
+    train(tiny_recipe(**{"data.path": str(write_corpus(tmp_path / "corpus")), "train.steps": 2,
+                         "model.init_std": 0.3, "model.kv_sharing": "first", "train.checkpoint_every": 2}),
+          run_dir, quiet=True)
+    assert "round-1 keys/values and its own round's (model.kv_sharing = first)" in (run_dir / "report.md").read_text()
+    run = looplm.load_run(run_dir)
+    assert run.model.cfg.kv_sharing == "first"
+    result = check_cache_policies(run)
+    assert result.passed and "kv_sharing = first" in result.detail
+    code, _, err = cli(capsys, "eval", run_dir, "--cache-sweep")
+    assert code == 2 and "kv_sharing = first" in err
+    code, out, _ = cli(capsys, "generate", run_dir, "--prompt", "def f", "--max-new-tokens", "4")
+    assert code == 0

@@ -302,6 +302,13 @@ def check_cache_policies(run: Run) -> CheckResult:
     R = run.recipe.depth.rounds
     ids = _sample_ids(run, min(24, run.model.cfg.context) + 1)
     batches = [(ids[:, :-1], ids[:, 1:])]
+    if run.recipe.model.kv_sharing == "first":    # trained to read round 1's entries: one policy is its function
+        got = continuation_loss(Engine.from_run(run, exit=f"fixed:{R}"), batches)["loss"]
+        ref = forward_loss(run.model, batches, R)
+        return CheckResult(name, abs(got - ref) <= 1e-4,
+                           f"trained with model.kv_sharing = first: decoded under cache policy first (prompt and "
+                           f"decode, the only policy that is its function) {got:.4f} vs plain forward {ref:.4f} at "
+                           f"{R} rounds; other policies are refused, so there is no saving to weigh", MEASURED)
 
     def loss(prefill: str, decode: str) -> float:
         engine = Engine.from_run(run, prefill_cache=prefill, decode_cache=decode, exit=f"fixed:{R}")

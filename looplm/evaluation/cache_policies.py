@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..inference.engine import Engine, SamplingParams
 
 # (prefill, decode): each shared policy on one side with full on the other, then on both
@@ -76,6 +77,9 @@ def cache_sweep(run: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], exit
                 missing: str = "copy_forward") -> tuple[dict[str, Any], list[str]]:
     """`looplm eval --cache-sweep`: one row per (prefill, decode) policy pair; (JSON part, lines).
     missing: what later rounds read for a token that exited under `exit` (copy_forward or mask)."""
+    if run.recipe.model.kv_sharing == "first":
+        raise UserError("--cache-sweep: this model was trained with model.kv_sharing = first and decodes only under "
+                        "cache policy first (the sweep's other policies are not its function)")
     overrides = {"missing": missing} if exit is None else {"exit": exit, "missing": missing}
     rows = []
     for prefill, decode in SWEEP:
