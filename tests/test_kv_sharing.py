@@ -88,10 +88,12 @@ def test_later_rounds_of_earlier_tokens_are_invisible():
         assert torch.allclose(base, moved, atol=1e-5) == same, sharing
 
 
-def test_cached_decode_equals_the_full_forward():
+@pytest.mark.parametrize("untied", [False, True], ids=["shared-core", "untied"])
+def test_cached_decode_equals_the_full_forward(untied):
     """The engine decodes the trained function: cache policy first on both sides, prompt column by column;
-    greedy tokens and teacher-forced logits match the full forward; the core cache holds one slot."""
-    m = model()
+    greedy tokens and teacher-forced logits match the full forward; the core cache holds one slot. Untied: the
+    extrapolation experiment's same-compute baseline inherits the field (later blocks read block 1's entries)."""
+    m = model(**({"model.untied": True, "model.init_state": "prelude"} if untied else {}))
     eng = Engine(m, TOK, GenerationConfig())
     assert (eng.config.prefill_cache, eng.config.decode_cache) == ("first", "first")
     prompt = "rounds read round one"
