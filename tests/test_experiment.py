@@ -247,17 +247,25 @@ def test_probe_needs_enough_examples():
         run_probes(looplm.build_model(recipe), ByteTokenizer(), TaskSource(recipe), 2, [1], rounds=2)
 
 
-def test_parallel_workers_give_the_same_shape(tmp_path, quick_run):
-    """Two worker processes train the models the quick run trained in this one: the same tables."""
+def test_two_seeds_in_one_pool_train_what_one_seed_trains_alone(tmp_path, quick_run):
+    """Two seeds' models share one pool of two worker processes (costliest first across the seeds):
+    the recipe's seed trains exactly the models the quick run trained alone in this process, and the
+    other seed's folder holds its own seed's models, not a copy."""
     from looplm.experiments.extrapolate import run_extrapolate
     recipe = looplm.load_recipe("extrapolate", {**QUICK_OVERRIDES, "train.threads": 2, "data.probe_examples": 0,
                                                 "data.baselines": ["untied_same_params", "lstm"]})
-    result = run_extrapolate(recipe, tmp_path / "p", quiet=True)
-    assert set(result["models"]) == {"looped", "untied_same_params", "lstm"}
+    seed = recipe.train.seed
+    result = run_extrapolate(recipe, tmp_path / "p", quiet=True, seeds=[seed + 1, seed])
+    mine = json.loads((tmp_path / "p" / f"seed-{seed}" / "report.json").read_text())
+    other = json.loads((tmp_path / "p" / f"seed-{seed + 1}" / "report.json").read_text())
+    assert set(mine["models"]) == {"looped", "untied_same_params", "lstm"}
     serial = json.loads(quick_run[1])
-    for name in result["models"]:
-        assert result["models"][name] == serial["models"][name], name
-        assert result["answer_loss"][name] == serial["answer_loss"][name], name
-    assert result["probes"] == {}
-    assert all(i["process_wall_time_s"] > 0 for i in result["model_info"].values())
-    assert (tmp_path / "p" / "lstm" / "model.safetensors").is_file()
+    for name in mine["models"]:
+        assert mine["models"][name] == serial["models"][name], name
+        assert mine["answer_loss"][name] == serial["answer_loss"][name], name
+        assert mine["model_info"][name]["train_loss_final"] == serial["model_info"][name]["train_loss_final"], name
+    assert other["recipe"]["train"]["seed"] == seed + 1
+    assert other["answer_loss"]["looped"] != mine["answer_loss"]["looped"]
+    assert mine["probes"] == {} and result["seeds"]["seeds"] == [seed + 1, seed]
+    assert all(i["process_wall_time_s"] > 0 for r in (mine, other) for i in r["model_info"].values())
+    assert (tmp_path / "p" / f"seed-{seed}" / "lstm" / "model.safetensors").is_file()

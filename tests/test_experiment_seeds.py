@@ -100,21 +100,30 @@ def test_one_seed_has_no_spread_and_unequal_tables_are_refused():
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    """run_seed replaced by one that returns the constructed table of the seed asked for (in CELLS)
-    and records (seed, folder); the seeds' figure panels recorded on their way to the real plotting."""
+    """plan_seed replaced by one whose plan trains nothing and evaluates to the constructed table of
+    the seed asked for (in CELLS), recording (seed, folder) when planned; the seeds' figure panels
+    recorded on their way to the real plotting."""
     calls, panels = [], {}
 
-    def run_seed(recipe, out, quiet=False, lookup_threshold=ex.LOOKUP_THRESHOLD):
-        calls.append((recipe.train.seed, out))
-        result = fake_result(*CELLS.get(recipe.train.seed, (0.95, 0.0)))
-        return {**result, "lookup": ex.lookup_verdict(result, lookup_threshold), "out": str(out)}
+    class Plan:
+        def __init__(self, recipe, out, quiet=False, lookup_threshold=ex.LOOKUP_THRESHOLD):
+            calls.append((recipe.train.seed, out))
+            self.seed, self.out, self.threshold = recipe.train.seed, out, lookup_threshold
+
+        def jobs(self):
+            return []
+
+        def evaluate(self, info):
+            assert info == {}
+            result = fake_result(*CELLS.get(self.seed, (0.95, 0.0)))
+            return {**result, "lookup": ex.lookup_verdict(result, self.threshold), "out": str(self.out)}
 
     save = ex._save_panels
 
     def save_panels(path, model, result, panel_list):
         panels[path.name] = [title for title, _ in panel_list]
         save(path, model, result, panel_list)
-    monkeypatch.setattr(ex, "run_seed", run_seed)
+    monkeypatch.setattr(ex, "plan_seed", Plan)
     monkeypatch.setattr(ex, "_save_panels", save_panels)
     return calls, panels
 

@@ -204,7 +204,9 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False, se
     the benchmark read). Several run that experiment once per seed into OUT/seed-S, then write
     the aggregate to OUT: report.json (the contract's keys with `models` the per-cell mean, and
     the aggregate under `seeds`), report.md and one heatmap figure per model with a panel per
-    seed and one for the mean."""
+    seed and one for the mean. Every seed's models train in one pool of workers (costliest
+    first), so a core that finishes one seed's last model starts the next seed's instead of
+    waiting for the other core; each seed is evaluated as soon as its own models are trained."""
     seeds = check_seeds(list(seeds) if seeds is not None else [recipe.train.seed])
     if not 0 < lookup_threshold <= 1:
         raise UserError(f"--lookup-threshold {lookup_threshold}: must be in (0, 1] (exact match)")
@@ -217,10 +219,9 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False, se
     for folder in (out, *(out / f"seed-{s}" for s in seeds)):
         if _holds_experiment(folder, names):
             raise UserError(f"--out {out}: {folder} already holds an experiment; choose another folder")
-    per_seed = {}
-    for i, s in enumerate(seeds):
-        _say(f"seed {s} ({i + 1} of {len(seeds)}) into {out / f'seed-{s}'}", quiet)
-        per_seed[s] = run_seed(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold)
+    plans = [plan_seed(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold) for s in seeds]
+    _say(f"seeds {_seed_list(seeds)} into {out}/seed-S", quiet)
+    per_seed = {s: plan.evaluate(info) for s, (plan, info) in zip(seeds, train_plans(plans, recipe.train.threads, quiet))}
     first = per_seed[seeds[0]]
     aggregate = aggregate_seeds(per_seed, lookup_threshold)
     # The setting is the recipe's, not the seed's (a built-in task draws its held-out sets from a
@@ -284,94 +285,148 @@ def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
 
     With train.threads >= 2 the models train in that many single-threaded worker processes
     (small models use several cores better side by side than through intra-op threads)."""
-    t_start = time.perf_counter()
-    if not recipe.data.task:
-        raise UserError("recipe field data.task: the extrapolate experiment needs task data (e.g. \"chain\")")
-    if recipe.model.untied:
-        raise UserError("recipe field model.untied: must be false; the experiment builds the untied baselines itself")
-    out = Path(out_dir)
-    names = ["looped", *recipe.data.baselines]
-    if _holds_experiment(out, names):
-        raise UserError(f"--out {out}: already holds an experiment; choose another folder")
-    source = TaskSource(recipe)  # validates the task dials before anything trains
-    tok = ByteTokenizer()
-    d = recipe.data
-    eval_rounds_max = d.eval_rounds_max or 2 * recipe.depth.max_rounds
-    eval_sets = source.eval_sets(d.eval_examples)
-    guess = digit_guess_baseline(eval_sets)
-    check_lookup_criterion(lookup_threshold, guess, source.train_levels[-1], eval_sets)
-    workers = min(recipe.train.threads, len(names)) if recipe.train.threads >= 2 else 1
-    # Workers each take a core; evaluation then runs here on one thread (robust on a busy machine).
-    torch.set_num_threads(1 if workers > 1 else (recipe.train.threads or torch.get_num_threads()))
+    plan = plan_seed(recipe, out_dir, quiet, lookup_threshold)
+    [(_, info)] = train_plans([plan], recipe.train.threads, quiet)
+    return plan.evaluate(info)
 
-    from ..model.looped import build_model
 
-    recipes = {"looped": recipe, **baseline_recipes(recipe), "lstm": recipe}
-    lstm_target = build_model(recipe).params_stored()
-    # The costliest first, so a pool of workers finishes close together.
-    order = sorted(names, key=lambda n: ["untied_same_compute", "looped", "lstm", "untied_same_params"].index(n))
-    info: dict[str, dict[str, Any]] = {}
-    if workers == 1:
-        for name in order:
-            _say(f"training {name} ({recipes[name].train.steps} steps)", quiet)
-            info[name] = _train_model(name, recipes[name].to_dict(), str(out), quiet, lstm_target)
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+COST_ORDER = ("untied_same_compute", "looped", "lstm", "untied_same_params")
+"""The models from the costliest to train to the cheapest (measured on the built-in recipe: 24, 16,
+4 and 5 minutes of one core; the LSTM goes before the same-params stack so the shortest job ends a pool)."""
 
-        _say(f"training {', '.join(order)} in {workers} worker processes of one thread each", quiet)
-        one_thread = {n: apply_overrides(recipes[n].to_dict(), {"train.threads": 1}) for n in order}
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_exit_with_parent) as pool:
-            futures = {n: pool.submit(_train_model, n, one_thread[n], str(out), True, lstm_target) for n in order}
-            for name in order:
-                info[name] = futures[name].result()
-                _say(f"{name} trained in {info[name]['process_wall_time_s']:.0f} s", quiet)
-    info = {n: info[n] for n in names}
-    models = {n: _load_model(n, out, recipes[n], info[n]) for n in names}
 
-    _say("evaluating", quiet)
-    rounds_for = {"looped": list(range(1, eval_rounds_max + 1)), "lstm": [1],
-                  **{n: [recipes[n].depth.rounds] for n in recipes if n.startswith("untied")}}
-    tables = {n: accuracy_table(models[n], tok, eval_sets, rounds_for[n], separator=d.separator) for n in names}
-    accuracy = {n: {str(dd): {str(r): v["accuracy"] for r, v in row.items()} for dd, row in t.items()}
+class SeedPlan:
+    """One seed's experiment, checked and set up before anything trains: its task source and
+    held-out sets, the models' recipes, and `evaluate` for once they are trained."""
+
+    def __init__(self, recipe: Recipe, out_dir: str | Path, quiet: bool, lookup_threshold: float):
+        self.t_start = time.perf_counter()
+        if not recipe.data.task:
+            raise UserError("recipe field data.task: the extrapolate experiment needs task data (e.g. \"chain\")")
+        if recipe.model.untied:
+            raise UserError("recipe field model.untied: must be false; the experiment builds the untied baselines itself")
+        self.recipe, self.out, self.quiet, self.threshold = recipe, Path(out_dir), quiet, lookup_threshold
+        self.names = ["looped", *recipe.data.baselines]
+        if _holds_experiment(self.out, self.names):
+            raise UserError(f"--out {self.out}: already holds an experiment; choose another folder")
+        self.source = TaskSource(recipe)  # validates the task dials before anything trains
+        self.eval_sets = self.source.eval_sets(recipe.data.eval_examples)
+        self.guess = digit_guess_baseline(self.eval_sets)
+        check_lookup_criterion(lookup_threshold, self.guess, self.source.train_levels[-1], self.eval_sets)
+
+        from ..model.looped import build_model
+
+        self.recipes = {"looped": recipe, **baseline_recipes(recipe), "lstm": recipe}
+        self.lstm_target = build_model(recipe).params_stored()
+
+    def jobs(self) -> list[str]:
+        """The models to train, costliest first."""
+        return sorted(self.names, key=COST_ORDER.index)
+
+    def job(self, name: str, in_worker: bool) -> tuple:
+        """`_train_model`'s arguments for `name` (plain data, so a worker process can take them; a
+        worker trains on one thread and quietly)."""
+        r = self.recipes[name].to_dict()
+        if in_worker:
+            r = apply_overrides(r, {"train.threads": 1})
+        return name, r, str(self.out), self.quiet or in_worker, self.lstm_target
+
+    def evaluate(self, info: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The trained models' tables, probes, report.json, report.md and heatmaps in OUT."""
+        recipe, out, quiet, d, tok = self.recipe, self.out, self.quiet, self.recipe.data, ByteTokenizer()
+        names, recipes, source, eval_sets = self.names, self.recipes, self.source, self.eval_sets
+        eval_rounds_max = d.eval_rounds_max or 2 * recipe.depth.max_rounds
+        info = {n: info[n] for n in names}
+        models = {n: _load_model(n, out, recipes[n], info[n]) for n in names}
+
+        _say(f"evaluating {out}", quiet)
+        rounds_for = {"looped": list(range(1, eval_rounds_max + 1)), "lstm": [1],
+                      **{n: [recipes[n].depth.rounds] for n in recipes if n.startswith("untied")}}
+        tables = {n: accuracy_table(models[n], tok, eval_sets, rounds_for[n], separator=d.separator) for n in names}
+        accuracy = {n: {str(dd): {str(r): v["accuracy"] for r, v in row.items()} for dd, row in t.items()}
+                    for n, t in tables.items()}
+        loss = {n: {str(dd): {str(r): v["loss"] for r, v in row.items()} for dd, row in t.items()}
                 for n, t in tables.items()}
-    loss = {n: {str(dd): {str(r): v["loss"] for r, v in row.items()} for dd, row in t.items()}
-            for n, t in tables.items()}
 
-    probes: dict[str, Any] = {}
-    if d.probe_examples:
-        _say("probing the looped model's state after each round", quiet)
-        from ..evaluation.probes import run_probes
-        levels = sorted({source.train_levels[-1], source.eval_max})
-        raw = run_probes(models["looped"], tok, source, d.probe_examples, levels, eval_rounds_max, d.separator)
-        probes = {k: {str(dd): ({str(r): a for r, a in v.items()} if isinstance(v, dict) else v)
-                      for dd, v in table.items()} for k, table in raw.items()}
+        probes: dict[str, Any] = {}
+        if d.probe_examples:
+            _say("probing the looped model's state after each round", quiet)
+            from ..evaluation.probes import run_probes
+            levels = sorted({source.train_levels[-1], source.eval_max})
+            raw = run_probes(models["looped"], tok, source, d.probe_examples, levels, eval_rounds_max, d.separator)
+            probes = {k: {str(dd): ({str(r): a for r, a in v.items()} if isinstance(v, dict) else v)
+                          for dd, v in table.items()} for k, table in raw.items()}
 
-    lengths = prompt_tokens_by_difficulty(tok, eval_sets, d.separator)
-    result = {
-        "task": d.task,
-        "train_difficulty_min": source.train_levels[0],
-        "train_difficulty_max": source.train_levels[-1],
-        "eval_difficulty_max": source.eval_max,
-        "train_rounds": {"min": recipe.depth.min_rounds, "max": recipe.depth.max_rounds},
-        "eval_rounds_max": eval_rounds_max,
-        "prompt_length": {"items": source.length, "tokens_by_difficulty": {str(k): v for k, v in lengths.items()}},
-        "eval_examples_per_difficulty": {str(k): len(v) for k, v in eval_sets.items()},
-        "digit_guess_baseline": guess,
-        "models": accuracy,
-        "answer_loss": loss,
-        "model_info": info,
-        "probes": probes,
-        "recipe": recipe.to_dict(),
-        "out": str(out),
-        "wall_time_s": time.perf_counter() - t_start,
-    }
-    result["lookup"] = lookup_verdict(result, lookup_threshold)
-    plots = write_heatmaps(out, result)
-    write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
-    write_text(out / "report.md", render_markdown(result, plots))
-    return result
+        lengths = prompt_tokens_by_difficulty(tok, eval_sets, d.separator)
+        result = {
+            "task": d.task,
+            "train_difficulty_min": source.train_levels[0],
+            "train_difficulty_max": source.train_levels[-1],
+            "eval_difficulty_max": source.eval_max,
+            "train_rounds": {"min": recipe.depth.min_rounds, "max": recipe.depth.max_rounds},
+            "eval_rounds_max": eval_rounds_max,
+            "prompt_length": {"items": source.length, "tokens_by_difficulty": {str(k): v for k, v in lengths.items()}},
+            "eval_examples_per_difficulty": {str(k): len(v) for k, v in eval_sets.items()},
+            "digit_guess_baseline": self.guess,
+            "models": accuracy,
+            "answer_loss": loss,
+            "model_info": info,
+            "probes": probes,
+            "recipe": recipe.to_dict(),
+            "out": str(out),
+            # from this seed's set-up to its report: with several seeds in one pool, its models'
+            # training shared the cores with the other seeds' (model_info has each model's own time)
+            "wall_time_s": time.perf_counter() - self.t_start,
+        }
+        result["lookup"] = lookup_verdict(result, self.threshold)
+        plots = write_heatmaps(out, result)
+        write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
+        write_text(out / "report.md", render_markdown(result, plots))
+        return result
+
+
+def plan_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
+              lookup_threshold: float = LOOKUP_THRESHOLD) -> SeedPlan:
+    """One seed's `SeedPlan` (refusals happen here, before anything trains)."""
+    return SeedPlan(recipe, out_dir, quiet, lookup_threshold)
+
+
+def train_plans(plans: list[SeedPlan], threads: int, quiet: bool = False):
+    """Train every plan's models; yield (plan, {model: info}) in the plans' order, each as soon as
+    its own models are trained.
+
+    threads >= 2: that many single-threaded worker processes share every plan's models, costliest
+    first across all plans (small models use several cores better side by side than through
+    intra-op threads); evaluation then runs here on one thread. Otherwise one model after another
+    here, with train.threads threads."""
+    jobs = [(COST_ORDER.index(n), i, n) for i, p in enumerate(plans) for n in p.jobs()]
+    workers = min(threads, len(jobs)) if threads >= 2 else 1
+    torch.set_num_threads(1 if workers > 1 else (threads or torch.get_num_threads()))
+    if workers <= 1:
+        for p in plans:
+            info = {}
+            for name in p.jobs():
+                _say(f"training {name} ({p.recipes[name].train.steps} steps) into {p.out}", quiet)
+                info[name] = _train_model(*p.job(name, in_worker=False))
+            yield p, info
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    _say(f"training {len(jobs)} models in {workers} worker processes of one thread each", quiet)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_exit_with_parent) as pool:
+        futures = {(i, n): pool.submit(_train_model, *plans[i].job(n, in_worker=True)) for _, i, n in sorted(jobs)}
+        try:
+            for i, p in enumerate(plans):
+                info = {}
+                for name in p.jobs():
+                    info[name] = futures[(i, name)].result()
+                    _say(f"{p.out / name} trained in {info[name]['process_wall_time_s']:.0f} s", quiet)
+                yield p, info
+        finally:  # a failed model or evaluation: the queued models are not started
+            for f in futures.values():
+                f.cancel()
 
 
 # ---------------------------------------------------------------------------------------
