@@ -100,7 +100,7 @@ def test_one_seed_has_no_spread_and_unequal_tables_are_refused():
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    """plan_seed replaced by one whose plan trains nothing and evaluates to the constructed table of
+    """SeedPlan replaced by one that trains nothing and evaluates to the constructed table of
     the seed asked for (in CELLS), recording (seed, folder) when planned; the seeds' figure panels
     recorded on their way to the real plotting."""
     calls, panels = [], {}
@@ -123,7 +123,7 @@ def stubbed(monkeypatch):
     def save_panels(path, model, result, panel_list):
         panels[path.name] = [title for title, _ in panel_list]
         save(path, model, result, panel_list)
-    monkeypatch.setattr(ex, "plan_seed", Plan)
+    monkeypatch.setattr(ex, "SeedPlan", Plan)
     monkeypatch.setattr(ex, "_save_panels", save_panels)
     return calls, panels
 

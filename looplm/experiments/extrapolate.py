@@ -219,8 +219,8 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False, se
     for folder in (out, *(out / f"seed-{s}" for s in seeds)):
         if _holds_experiment(folder, names):
             raise UserError(f"--out {out}: {folder} already holds an experiment; choose another folder")
-    plans = [plan_seed(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold) for s in seeds]
-    _say(f"seeds {_seed_list(seeds)} into {out}/seed-S", quiet)
+    plans = [SeedPlan(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold) for s in seeds]
+    _say(f"{_seed_list(seeds)} into {out}/seed-S", quiet)
     per_seed = {s: plan.evaluate(info) for s, (plan, info) in zip(seeds, train_plans(plans, recipe.train.threads, quiet))}
     first = per_seed[seeds[0]]
     aggregate = aggregate_seeds(per_seed, lookup_threshold)
@@ -285,7 +285,7 @@ def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
 
     With train.threads >= 2 the models train in that many single-threaded worker processes
     (small models use several cores better side by side than through intra-op threads)."""
-    plan = plan_seed(recipe, out_dir, quiet, lookup_threshold)
+    plan = SeedPlan(recipe, out_dir, quiet, lookup_threshold)
     [(_, info)] = train_plans([plan], recipe.train.threads, quiet)
     return plan.evaluate(info)
 
@@ -296,8 +296,8 @@ COST_ORDER = ("untied_same_compute", "looped", "lstm", "untied_same_params")
 
 
 class SeedPlan:
-    """One seed's experiment, checked and set up before anything trains: its task source and
-    held-out sets, the models' recipes, and `evaluate` for once they are trained."""
+    """One seed's experiment, checked and set up before anything trains (the refusals happen here):
+    its task source and held-out sets, the models' recipes, and `evaluate` for once they are trained."""
 
     def __init__(self, recipe: Recipe, out_dir: str | Path, quiet: bool, lookup_threshold: float):
         self.t_start = time.perf_counter()
@@ -383,12 +383,6 @@ class SeedPlan:
         write_text(out / "report.json", json.dumps(result, indent=2) + "\n")
         write_text(out / "report.md", render_markdown(result, plots))
         return result
-
-
-def plan_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
-              lookup_threshold: float = LOOKUP_THRESHOLD) -> SeedPlan:
-    """One seed's `SeedPlan` (refusals happen here, before anything trains)."""
-    return SeedPlan(recipe, out_dir, quiet, lookup_threshold)
 
 
 def train_plans(plans: list[SeedPlan], threads: int, quiet: bool = False):
