@@ -99,3 +99,46 @@ def test_generate_reports_flops_beside_speed(tmp_path):
     assert out["flops_per_token"]["prefill"] == pytest.approx(prefill / P, rel=1e-12)
     assert out["flops_per_token"]["decode_flops_per_s"] == pytest.approx(want * out["decode_tokens_per_s"])
     assert pass_flops(run.model.cfg, Visits(rounds=2), 1)["backward"] == 0
+
+
+def test_task_loss_reads_out_at_its_positions_only(tmp_path, monkeypatch):
+    """A masked task step (answer and trace targets) applies the LM head at the loss's positions only:
+    the same loss and gradients as whole readouts, and the products PyTorch counts are the recorded ones."""
+    import looplm.train.trainer as trainer
+    from looplm.data.taskdata import prepare_task_data
+    recipe = looplm.load_recipe("extrapolate", {"model.d_model": 32, "model.n_heads": 2, "model.n_coda": 1,
+                                                "data.difficulty_max": 3, "data.task_length": 8,
+                                                "train.batch_size": 6})
+    _, sampler, _ = prepare_task_data(recipe, tmp_path, write=False)
+    x, y, opts = sampler.batch(7)
+    rounds = opts["rounds"]
+    supervised = opts["mask"].clone()
+    for r in opts["supervision"].rounds[:-1]:                # the trace targets' positions, by hand
+        supervised |= opts["round_targets"](r)[1]
+
+    def step(whole: bool):
+        if whole:
+            monkeypatch.setattr(trainer, "readout_positions", lambda *a, **k: None)
+        torch.manual_seed(0)
+        model = looplm.build_model(recipe).train()
+        counters = Counters()
+        loss = []
+        measured = _measured_mm(lambda: loss.append(train_step(model, recipe, x, y, 7, 0, counters, **opts)[0]))
+        monkeypatch.undo()
+        return loss[0], {n: p.grad for n, p in model.named_parameters()}, counters, measured, model.cfg
+
+    loss, grads, counters, measured, cfg = step(whole=False)
+    loss_w, grads_w, counters_w, measured_w, _ = step(whole=True)
+    assert loss == pytest.approx(loss_w, rel=1e-5)
+    for n, g in grads.items():
+        assert torch.allclose(g, grads_w[n], rtol=1e-4, atol=1e-6), n
+    share = supervised.sum().item() / supervised.numel()
+    assert 0 < share < 0.5 and counters.last_visits.head_share == pytest.approx(share)
+    readouts = len(opts["supervision"].rounds)
+    hand = Visits(rounds=rounds, grad_rounds=rounds, readouts=readouts, grad_readouts=readouts, prelude_grad=True,
+                  head_share=share)
+    assert pass_flops(cfg, hand, 0)["total"] * x.numel() == pytest.approx(measured, rel=1e-9)
+    # the whole readouts apply the head at every position: 3 x 2 x d x V more per skipped position and readout
+    skipped = x.numel() - supervised.sum().item()
+    assert measured_w - measured == pytest.approx(readouts * skipped * 3 * 2 * cfg.d_model * cfg.vocab_size, rel=1e-9)
+    assert counters.train_flops == pytest.approx(x.numel() * train_flops_per_token(cfg, hand, x.shape[1]), rel=1e-12)

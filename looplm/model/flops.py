@@ -7,13 +7,14 @@ deduplicating reused matrices understates compute. So the count goes by visits:
                  (the products, then QK^T and AV against L keys; in an MoE core the router and
                  the k chosen experts, not all E: what one token's visit applies)
     forward    = n_prelude * block + R * (n_core * block + adapter + gate)
-                 + readouts * (n_coda * block + head)            head = 2 * d_model * vocab
+                 + readouts * (n_coda * block + share * head)    head = 2 * d_model * vocab
     backward   = 2 * (prelude if gradient reaches it + G * (n_core * block + adapter)
-                      + gate rounds * gate + readouts with a loss * (n_coda * block + head))
+                      + gate rounds * gate + readouts with a loss * (n_coda * block + share * head))
 
 R: rounds run; G: rounds inside the backward window up to the last supervised readout (what
 autograd reaches, `LoopOutput.grad_rounds`); readouts: supervised rounds read out (each runs the
-coda and the head, Ouro's every-round readout pays R of them). Training attends causally over T
+coda and the head, Ouro's every-round readout pays R of them); share: the tokens whose readouts apply
+the head (a masked task loss reads a few positions: `Visits.head_share`). Training attends causally over T
 tokens, L = (T + 1) / 2 keys on average; a decoded token at position t attends to t + 1 keys.
 `looplm check` compares this count with PyTorch's own FLOP counter on a real forward and backward.
 """
@@ -39,6 +40,9 @@ class Visits:
     router_lookahead: bool = False
     """Expert-choice decoding: after a token's last round the next round's router still runs (it is what
     says the token stops), unless that was round R."""
+    head_share: float = 1.0
+    """Share of the tokens at which each readout applies the LM head (a loss's positions, the forward's
+    readout_at); the coda runs on every token."""
 
     @property
     def rounds_budget(self) -> int:
@@ -75,7 +79,7 @@ def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False) -> dic
     blk = block_flops(cfg, keys)
     head, adapter, gate = _pieces(cfg, exit_gate)
     core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter
-    readout = cfg.n_coda * blk + head
+    readout = cfg.n_coda * blk + head * visits.head_share
     router_fwd, router_bwd = router_flops(cfg, visits)
     fwd = cfg.n_prelude * blk + router_fwd + visits.rounds * (core_round + gate) + visits.readouts * readout
     bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round

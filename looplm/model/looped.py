@@ -32,11 +32,11 @@ class LoopOutput:
     """Everything one forward pass produced."""
 
     logits: Tensor
-    """(B, T, V) readout after the last round that ran."""
+    """(B, T, V) readout after the last round that ran; (N, V) with readout_at."""
     rounds: int
     """Rounds computed."""
     round_logits: dict[int, Tensor] = field(default_factory=dict)
-    """round -> (B, T, V) readouts at the requested rounds (loss placement, logit lens)."""
+    """round -> (B, T, V) readouts at the requested rounds (loss placement, logit lens); (N, V) with readout_at."""
     grad_rounds: tuple[int, ...] = ()
     """Rounds whose computation receives gradient from the readouts asked for (readout_rounds, else the
     final one): the backward window's rounds up to the last of them (see recurrence.unroll)."""
@@ -72,6 +72,9 @@ class LoopOutput:
     earlier_passes: list["LoopOutput"] = field(default_factory=list)
     """Feedback's parallel passes before this one, in order, when one call ran several (forward's
     feedback_passes): pass k's own output at index k - 1; this output is the last pass's."""
+    readout_at: Tensor | None = None
+    """(B, T) bool, when the forward was asked for logits at some positions only (a loss's mask): logits
+    and round_logits are then (N, V), the N True positions in row-major order (`s[readout_at]`)."""
 
 
 def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
@@ -285,16 +288,18 @@ class LoopedLM(nn.Module):
         return chosen, weight, (decision, chosen, kept)
 
     def readout(self, s: Tensor, rope, cache: Any = None, r: int = 0, ops: Ops = EAGER,
-                last_only: bool = False, tops: dict[int, Tensor] | None = None, head: bool = True) -> Tensor | None:
+                last_only: bool = False, tops: dict[int, Tensor] | None = None, head: bool = True,
+                at: Tensor | None = None) -> Tensor | None:
         """Coda and LM head applied to a loop state (the logit lens at earlier rounds): (B, T, V), or
-        (B, V) at the last position with last_only (a decode step needs no other). tops: gets
+        (B, V) at the last position with last_only (a decode step needs no other), or (N, V) at the N
+        True positions of `at` (B, T) bool (the coda still runs on every position: it attends). tops: gets
         round -> the top state after the final norm (feedback's h). head=False: the coda only (its cache
         entries are what is wanted: recirculation's refinement pass), None returned."""
         for i, block in enumerate(self.coda):
             s = self.visit(block, s, rope, cache, ("coda", r, i), ops)
         if not head:
             return None
-        h = s[:, -1] if last_only else s
+        h = s[:, -1] if last_only else s if at is None else s[at]
         if tops is None:
             return self.head_logits(h, ops)
         tops[r] = self.final_norm(h)
@@ -358,6 +363,7 @@ class LoopedLM(nn.Module):
         plain: Tensor | None = None,
         noise_rows: tuple[int, slice] | None = None,
         state_loss: bool = False,
+        readout_at: Tensor | None = None,
     ) -> LoopOutput:
         """idx: (B, T) token ids. Runs `rounds` rounds (default: the nominal depth).
         initial_state (B, T, d) replaces the recipe's initial state (e.g. rows of initial_noise_table).
@@ -373,7 +379,12 @@ class LoopedLM(nn.Module):
         earlier_passes. noise_rows (G, rows): idx is rows `rows` of a global batch of G, whose random
         draws the passes make whole and slice (one process of several computes what one process does).
         state_loss: a loss will read the final rounds' states (supervision.fixed_point): every round's state
-        is kept in round_states and the final round counts as loss-bearing (grad_rounds reaches it)."""
+        is kept in round_states and the final round counts as loss-bearing (grad_rounds reaches it).
+        readout_at: (B, T) bool, the positions a loss reads (its mask): every readout applies the LM head
+        there only, and the logits are (N, V) (LoopOutput.readout_at). With a byte vocabulary the head is
+        a quarter of a small block's products, and a task's loss reads a few positions a row."""
+        if readout_at is not None and (feedback_passes > 1 or keep_top or cache is not None):
+            raise ValueError("readout_at is for a whole-sequence forward without cache, kept top state or feedback passes")
         if feedback_passes > 1:
             if plain is None or feedback is not None or keep_top or cache is not None:
                 raise ValueError("feedback_passes needs plain (the start convention) and runs whole windows from "
@@ -417,7 +428,7 @@ class LoopedLM(nn.Module):
             # (a one-token decode step has no other); the cache keeps the last write, the final round's.
             tops: dict[int, Tensor] | None = {} if keep_top else None
             run = unroll(step, s0, rounds, backward_window, wanted,
-                         readout=lambda s, r: self.readout(s, rope, cache, r, tops=tops),
+                         readout=lambda s, r: self.readout(s, rope, cache, r, tops=tops, at=readout_at),
                          keep_states=self.gate is not None or collect_stats or state_loss,
                          loss_rounds=(*(readout_rounds or (rounds,)), *((rounds,) if state_loss else ())))
         finally:
@@ -426,7 +437,7 @@ class LoopedLM(nn.Module):
                 mlp.trace = None
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
                          grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
-                         state=run.state, cache=cache, top=tops[rounds] if keep_top else None)
+                         state=run.state, cache=cache, top=tops[rounds] if keep_top else None, readout_at=readout_at)
         if routed is not None:
             routed.record(out)
         if moe:

@@ -53,8 +53,10 @@ def placement(cfg: SupervisionConfig, rounds_run: int) -> Placement:
 
 
 def token_losses(logits: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor:
-    """(B, T, V), (B, T) -> (B, T) cross-entropy per position; masked positions are 0."""
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    """(..., V), (...) -> (...) cross-entropy per position, (B, T) or the (N,) positions a readout_at
+    forward read out; masked positions are 0."""
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           reduction="none").view_as(targets)
     return loss if mask is None else loss * mask
 
 
@@ -68,7 +70,11 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
                     round_targets: Callable[[int], tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, dict]:
     """The training loss for one forward output and what it was made of (for the report).
     round_targets(r) -> (targets, mask) replaces targets/mask at supervised rounds before the final one
-    (task traces)."""
+    (task traces). A forward that read out at some positions only (out.readout_at) is scored there:
+    every mask must be False elsewhere."""
+    at = getattr(out, "readout_at", None)
+    if cfg.kind in ("learned_exit", "act_mixture") and at is not None:
+        raise ValueError(f"supervision.kind {cfg.kind} weighs every position's rounds; it needs whole readouts")
     if cfg.kind in ("learned_exit", "act_mixture"):
         per_round = torch.stack([token_losses(out.round_logits[r], targets, mask)
                                  for r in range(1, out.rounds + 1)], dim=-1)  # (B, T, R)
@@ -93,6 +99,10 @@ def supervised_loss(cfg: SupervisionConfig, out, targets: Tensor, mask: Tensor |
         # the final round is the model's answer, whatever the trace says (a fixed-depth model may
         # run fewer rounds than an example has steps)
         y, m = round_targets(r) if round_targets is not None and r < out.rounds else (targets, mask)
+        if at is not None:   # the positions read out: the loss is the same sum over the mask's positions
+            if m is None:
+                raise ValueError("a forward read out at some positions only is scored with a mask")
+            y, m = y[at], m[at]
         losses.append(mean_loss(token_losses(out.round_logits[r], y, m), m))
     total = sum(w * loss for w, loss in zip(place.weights, losses))
     info = {"round_losses": {r: loss.item() for r, loss in zip(place.rounds, losses)}, "fallback": place.fallback,

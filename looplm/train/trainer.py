@@ -231,6 +231,9 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     fixed_point = recipe.supervision.fixed_point if recipe.train.stage == 1 else 0.0
     if fixed_point:      # the term reads the final rounds' states: keep them, with the final round's gradient
         kwargs["state_loss"] = True
+    at = readout_positions(recipe, supervision, place, rounds, mask, round_targets, n_passes)
+    if at is not None:
+        kwargs["readout_at"] = at
     run = model if forward is None else forward
     with autocast(device, recipe.train.dtype):
         last = run(x, rounds, backward_window=window, readout_rounds=place.rounds, collect_stats=collect_stats,
@@ -300,6 +303,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     stage1 = recipe.train.stage == 1
     visits = Visits(rounds=rounds, grad_rounds=len(out.grad_rounds), readouts=len(place.rounds),
                     grad_readouts=len(place.rounds) if stage1 else 0,
+                    head_share=1.0 if at is None else int(at.sum()) / at.numel(),
                     prelude_grad=stage1 and prelude_receives_gradient(model.cfg, out.grad_rounds),
                     gate_grad=model.gate is not None and (not stage1 or supervision.kind in ("learned_exit",
                                                                                           "act_mixture")))
@@ -310,6 +314,25 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         counters.train_flops += (n_passes - 1) * x.numel() * 6 * model.param_groups_by_role()["feedback"]
     counters.last_visits = visits
     return loss.item() / world.size, out, info
+
+
+def readout_positions(recipe: Recipe, supervision, place, rounds: int, mask: torch.Tensor | None,
+                      round_targets, n_passes: int) -> torch.Tensor | None:
+    """(B, T) bool, the positions any supervised round's loss reads (the answer mask and the trace
+    targets' positions), when the step's loss reads only masked positions of per-round readouts: the
+    readouts then apply the LM head there alone (LoopedLM.forward's readout_at). None (whole readouts)
+    for unmasked data, stage II, the exit-weighted placements and feedback passes."""
+    if (mask is None or recipe.train.stage != 1 or n_passes > 1
+            or supervision.kind not in ("final", "rounds", "every")):
+        return None
+    at = mask.bool()
+    for r in place.rounds:
+        if round_targets is not None and r < rounds:
+            m = round_targets(r)[1]
+            if m is None:
+                return None
+            at = at | m.bool()
+    return at
 
 
 def feedback_plan(recipe: Recipe, x: torch.Tensor, step: int, micro: int, eos_id: int | None,
