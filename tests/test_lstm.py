@@ -195,3 +195,26 @@ def test_lstmlm_matches_torch_lstm_with_copied_weights():
 def test_lstmlm_bad_sizes(args):
     with pytest.raises(UserError):
         LSTMLM(*args)
+
+
+def test_lstmlm_fused_kernel_equals_the_equations_with_gradients():
+    """LSTMLM's fused path (PyTorch's kernel on our parameters) against the equations written out here:
+    the same logits, and the same gradients on every parameter."""
+    torch.manual_seed(0)
+    model = LSTMLM(9, 5, 7)
+    with torch.no_grad():
+        model.b.normal_()                   # every gate's bias distinct: a mislaid gate block shows
+    idx = torch.randint(0, 9, (3, 6))
+    target = torch.randn(3, 6, 9)
+    assert model.fused
+    fused = model(idx)
+    (fused * target).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    B, H = idx.shape[0], model.hidden
+    hs, _, _ = reference_loop(model.embed(idx).transpose(0, 1), model.W, model.b, torch.zeros(B, H), torch.zeros(B, H))
+    ref = model.head(hs.transpose(0, 1))
+    (ref * target).sum().backward()
+    torch.testing.assert_close(fused, ref, atol=1e-6, rtol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-5, msg=n)
