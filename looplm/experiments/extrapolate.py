@@ -292,7 +292,7 @@ def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
 
 COST_ORDER = ("untied_same_compute", "looped", "lstm", "untied_same_params")
 """The models from the costliest to train to the cheapest (the built-in recipe, two workers side by side:
-28, 19.5, 6.2 and 5.9 minutes of one core a seed, docs/tasks.md)."""
+~20.3, ~13.4, 2.8 and ~4.5 minutes of one core a seed, docs/tasks.md)."""
 
 
 class SeedPlan:
