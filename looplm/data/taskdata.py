@@ -91,21 +91,18 @@ def encode_examples(tok: Any, examples: list[Example], context: int | None = Non
     rows = []
     for ex in examples:
         prompt, answer = format_for_training(ex, separator)
-        ids, mask = answer_mask(tok.encode(prompt), tok.encode(answer))
+        answer_ids = tok.encode(answer)
+        ids, mask = answer_mask(tok.encode(prompt), answer_ids)
         if context is not None and len(ids) - 1 > context:
             raise UserError(f"{_where(ex)}: prompt + answer is {len(ids)} tokens, more than "
                             f"model.context + 1 = {context + 1}; shorten it or raise model.context")
-        rows.append((ids, mask, len(ids) - len(tok.encode(answer))))
+        rows.append((ids, mask, len(ids) - len(answer_ids)))
     T = max(len(ids) for ids, _, _ in rows) - 1
     pad = tok.eos_id
-    x = torch.full((len(rows), T), pad, dtype=torch.long)
-    y = torch.full((len(rows), T), pad, dtype=torch.long)
-    m = torch.zeros((len(rows), T), dtype=torch.bool)
-    for i, (ids, mask, _) in enumerate(rows):
-        n = len(ids) - 1
-        x[i, :n] = torch.tensor(ids[:-1])
-        y[i, :n] = torch.tensor(ids[1:])
-        m[i, :n] = torch.tensor(mask)
+    # one tensor from padded lists: a row-by-row copy costs more than the examples' generation
+    x = torch.tensor([ids[:-1] + [pad] * (T + 1 - len(ids)) for ids, _, _ in rows], dtype=torch.long)
+    y = torch.tensor([ids[1:] + [pad] * (T + 1 - len(ids)) for ids, _, _ in rows], dtype=torch.long)
+    m = torch.tensor([mask + [False] * (T + 1 - len(ids)) for ids, mask, _ in rows], dtype=torch.bool)
     return TaskBatch(x, y, m, [p for _, _, p in rows], [len(ids) for ids, _, _ in rows],
                      [ex.difficulty for ex in examples])
 
@@ -153,9 +150,7 @@ def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str) ->
                             f"\"trace\"; got {example_trace(ex, task)!r}")
         traces.append([i[0] for i in ids])
     K = max(1, max(len(t) for t in traces))
-    trace = torch.zeros(len(traces), K, dtype=torch.long)
-    for i, t in enumerate(traces):
-        trace[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    trace = torch.tensor([t + [0] * (K - len(t)) for t in traces], dtype=torch.long)
     return RoundTargets(b.y, b.mask, torch.tensor([p - 1 for p in b.prompt_lens]), trace,
                         torch.tensor([len(t) for t in traces]))
 
