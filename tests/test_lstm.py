@@ -218,3 +218,35 @@ def test_lstmlm_fused_kernel_equals_the_equations_with_gradients():
     torch.testing.assert_close(fused, ref, atol=1e-6, rtol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_lstmlm_reads_out_at_positions_only():
+    """forward(idx, at=mask): the head at the mask's positions alone — the full logits' rows there
+    (row-major order, as the loss gathers its targets), the same masked loss and gradients as
+    whole readouts, and the head's product on N positions, not B * T."""
+    torch.manual_seed(0)
+    model = LSTMLM(11, 5, 7)
+    idx = torch.randint(0, 11, (3, 6))
+    at = torch.zeros(3, 6, dtype=torch.bool)
+    at[0, 4:] = True
+    at[2, 1] = True
+    full = model(idx)
+    (full[at] * torch.arange(11.0)).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        got = model(idx, at=at)
+    assert got.shape == (int(at.sum()), 11)
+    torch.testing.assert_close(got, full[at], atol=1e-6, rtol=0)
+    (got * torch.arange(11.0)).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-6, rtol=1e-6, msg=n)
+    with FlopCounterMode(display=False) as whole:
+        model(idx)
+    skipped = 2 * (at.numel() - int(at.sum())) * model.hidden * 11      # the head's products elsewhere
+    assert whole.get_total_flops() - counter.get_total_flops() == skipped
+    with pytest.raises(ValueError, match="bool"):
+        model(idx, at=at.long())
+    with pytest.raises(ValueError, match="mask like idx"):
+        model(idx, at=at[:, :3])

@@ -123,8 +123,8 @@ def train_lstm(recipe: Recipe, run_dir: Path, source: TaskSource, target_params:
             step_loss = 0.0
             for micro in range(accum):
                 x, y, opts = sampler.batch(step * accum + micro)
-                mask = opts["mask"]
-                loss = mean_loss(token_losses(model(x), y, mask), mask)
+                mask = opts["mask"]       # the loss reads the answer positions: the head runs there alone
+                loss = mean_loss(token_losses(model(x, at=mask), y[mask]), mask)
                 (loss / accum).backward()
                 step_loss += loss.item() / accum
             clip = recipe.optim.grad_clip

@@ -139,14 +139,21 @@ class LSTMLM(nn.Module):
         self.head = nn.Linear(hidden, vocab_size)
         self.fused = True     # PyTorch's fused kernel; False: the reference lstm_sequence
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, V)."""
+    def forward(self, idx: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, V), or (N, V) at the N True positions of `at` (B, T)
+        bool: a masked task loss reads those alone (as LoopedLM.forward's readout_at), and the head
+        over the vocabulary is the costliest product of a small LSTM."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T), got shape {tuple(idx.shape)}")
         x = self.embed(idx).transpose(0, 1)  # (T, B, D): lstm_sequence is time-major
         hs = (fused_lstm_sequence(x, self.W, self.b) if self.fused and x.shape[0] > 0
-              else lstm_sequence(x, self.W, self.b)[0])  # (T, B, H)
-        return self.head(hs.transpose(0, 1))  # (B, T, V)
+              else lstm_sequence(x, self.W, self.b)[0]).transpose(0, 1)  # (B, T, H)
+        if at is not None:
+            if at.shape != idx.shape or at.dtype != torch.bool:
+                raise ValueError(f"at must be a (B, T) bool mask like idx {tuple(idx.shape)}, got "
+                                 f"{at.dtype} {tuple(at.shape)}")
+            hs = hs[at]                      # (N, H)
+        return self.head(hs)
 
 
 def copy_to_torch_lstm(W: torch.Tensor, b: torch.Tensor) -> nn.LSTM:
