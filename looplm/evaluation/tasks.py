@@ -22,20 +22,28 @@ from ..errors import UserError
 from ..model.losses import token_losses
 from ..recipe.config import Recipe
 
-def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[int]) -> dict[int, torch.Tensor]:
-    """round -> (B, T, V) logits. A looped model reads every round out of one forward pass at the
-    largest depth (a fixed generator keeps a random initial state reproducible); a model without
-    rounds (the LSTM) gives the same logits for every entry."""
+def logits_by_rounds(model: torch.nn.Module, x: torch.Tensor, rounds_list: list[int],
+                     at: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    """round -> (B, T, V) logits, or (N, V) at the N True positions of `at` (B, T) bool (row-major, as
+    `tensor[at]` orders them). A looped model reads every round out of one forward pass at the largest
+    depth (a fixed generator keeps a random initial state reproducible), with the head at `at` alone
+    (LoopedLM's readout_at, LSTMLM's at); a model without rounds (the LSTM) gives the same logits for
+    every entry."""
     from ..model.looped import LoopedLM
+    from ..model.lstm import LSTMLM
 
     param = next(model.parameters(), None)  # a model without parameters (a test's table) stays where x is
     if param is not None:
         x = x.to(param.device)
+        at = None if at is None else at.to(param.device)
     if isinstance(model, LoopedLM):
         out = model(x, max(rounds_list), readout_rounds=tuple(rounds_list),
-                    generator=torch.Generator().manual_seed(0))
+                    generator=torch.Generator().manual_seed(0), readout_at=at)
         return out.round_logits
-    logits = model(x)
+    if at is None:
+        logits = model(x)
+    else:
+        logits = model(x, at=at) if isinstance(model, LSTMLM) else model(x)[at]
     return {r: logits for r in rounds_list}
 
 
@@ -45,7 +53,7 @@ def _score(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_lis
            ) -> tuple[dict[int, int], dict[int, float], int]:
     """(exact matches, summed answer-token loss) by rounds, and the answer tokens scored. contrast (r, beta):
     score the LoopCD logits z_R + beta (z_R - z_r) at every R of rounds_list (each > r) instead of z_R; per
-    token only where the readout is (a model without a coda)."""
+    token only where the readout is (a model without a coda). Logits are read out at the answer tokens only."""
     model.eval()
     correct = {r: 0 for r in rounds_list}
     loss_sum = {r: 0.0 for r in rounds_list}
@@ -53,16 +61,19 @@ def _score(model: torch.nn.Module, tok: Any, examples: list[Example], rounds_lis
     context = getattr(getattr(model, "cfg", None), "context", None)
     for i in range(0, len(examples), batch_size):
         b = encode_examples(tok, examples[i:i + batch_size], context, separator)
-        by_round = logits_by_rounds(model, b.x, sorted(set(rounds_list) | ({contrast[0]} if contrast else set())))
+        by_round = logits_by_rounds(model, b.x, sorted(set(rounds_list) | ({contrast[0]} if contrast else set())),
+                                    at=b.mask)
         if contrast is not None:
             from ..inference.engine import contrast_logits
             by_round = {r: contrast_logits(by_round[r], by_round[contrast[0]], contrast[1]) for r in rounds_list}
+        rows = b.mask.nonzero()[:, 0]                           # (N,) the example of each answer token
         for r in rounds_list:
-            logits = by_round[r]
-            y, mask = b.y.to(logits.device), b.mask.to(logits.device)
-            hit = (logits.argmax(-1) == y) | ~mask              # (B, T)
-            correct[r] += int(hit.all(-1).sum())
-            loss_sum[r] += token_losses(logits, y, mask).sum().item()
+            logits = by_round[r]                                # (N, V)
+            y, rows_r = b.y[b.mask].to(logits.device), rows.to(logits.device)
+            wrong = torch.zeros(len(b.x), dtype=torch.long, device=logits.device)
+            wrong.index_add_(0, rows_r, (logits.argmax(-1) != y).long())
+            correct[r] += int((wrong == 0).sum())
+            loss_sum[r] += token_losses(logits, y).sum().item()
         tokens += int(b.mask.sum())
     return correct, loss_sum, tokens
 
