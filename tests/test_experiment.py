@@ -255,7 +255,13 @@ def test_two_seeds_in_one_pool_train_what_one_seed_trains_alone(tmp_path, quick_
     recipe = looplm.load_recipe("extrapolate", {**QUICK_OVERRIDES, "train.threads": 2, "data.probe_examples": 0,
                                                 "data.baselines": ["untied_same_params", "lstm"]})
     seed = recipe.train.seed
-    result = run_extrapolate(recipe, tmp_path / "p", quiet=True, seeds=[seed + 1, seed])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)                      # the caller's count, whatever it is, comes back
+    try:
+        result = run_extrapolate(recipe, tmp_path / "p", quiet=True, seeds=[seed + 1, seed])
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
     mine = json.loads((tmp_path / "p" / f"seed-{seed}" / "report.json").read_text())
     other = json.loads((tmp_path / "p" / f"seed-{seed + 1}" / "report.json").read_text())
     assert set(mine["models"]) == {"looped", "untied_same_params", "lstm"}

@@ -391,11 +391,20 @@ def train_plans(plans: list[SeedPlan], threads: int, quiet: bool = False):
 
     threads >= 2: that many single-threaded worker processes share every plan's models, costliest
     first across all plans (small models use several cores better side by side than through
-    intra-op threads); evaluation then runs here on one thread. Otherwise one model after another
+    intra-op threads); evaluation then runs here on one thread beside them, the last plan's on all
+    `threads` (nothing is left to train by then). Otherwise one model after another
     here, with train.threads threads."""
     jobs = [(COST_ORDER.index(n), i, n) for i, p in enumerate(plans) for n in p.jobs()]
     workers = min(threads, len(jobs)) if threads >= 2 else 1
-    torch.set_num_threads(1 if workers > 1 else (threads or torch.get_num_threads()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if workers > 1 else (threads or before))
+    try:
+        yield from _train_plans(plans, jobs, workers, quiet)
+    finally:                         # the caller's thread count back
+        torch.set_num_threads(before)
+
+
+def _train_plans(plans: list[SeedPlan], jobs: list[tuple[int, int, str]], workers: int, quiet: bool):
     if workers <= 1:
         for p in plans:
             info = {}
@@ -417,6 +426,8 @@ def train_plans(plans: list[SeedPlan], threads: int, quiet: bool = False):
                 for name in p.jobs():
                     info[name] = futures[(i, name)].result()
                     _say(f"{p.out / name} trained in {info[name]['process_wall_time_s']:.0f} s", quiet)
+                if i == len(plans) - 1:      # every model is trained: the last evaluation has the cores to itself
+                    torch.set_num_threads(workers)
                 yield p, info
         finally:  # a failed model or evaluation: the queued models are not started
             for f in futures.values():
