@@ -290,9 +290,10 @@ def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
     return plan.evaluate(info)
 
 
-COST_ORDER = ("untied_same_compute", "looped", "lstm", "untied_same_params")
+COST_ORDER = ("untied_same_compute", "looped", "untied_same_params", "lstm")
 """The models from the costliest to train to the cheapest (the built-in recipe, two workers side by side:
-~20.3, ~13.4, 2.8 and ~4.5 minutes of one core a seed, docs/tasks.md)."""
+~20.3, ~13, ~4.3 and ~2.1 minutes of one core a seed, docs/tasks.md): the cheapest last, so the two
+cores' last models end close together."""
 
 
 class SeedPlan:
