@@ -99,13 +99,13 @@ def _break_weight_sharing(model, monkeypatch):
         stray.mlp.down.weight.add_(0.05 * torch.randn_like(stray.mlp.down.weight))
     shared_step = type(model).core_step
 
-    def unshared_step(s, e, r, rope, cache=None):
+    def unshared_step(s, e, r, rope, cache=None, e_term=None):
         if r < 2:
-            return shared_step(model, s, e, r, rope, cache)
+            return shared_step(model, s, e, r, rope, cache, e_term=e_term)
         shared = model.core[0]
         model.core[0] = stray
         try:
-            return shared_step(model, s, e, r, rope, cache)
+            return shared_step(model, s, e, r, rope, cache, e_term=e_term)
         finally:
             model.core[0] = shared
 
@@ -193,7 +193,7 @@ def test_checks_fail_when_broken(tmp_path, text_dir, monkeypatch, capsys):
     from looplm.checks import check_start_state, check_state_dependency
     assert check_state_dependency(run).passed
     with monkeypatch.context() as m:
-        m.setattr(run.model, "inject", lambda s, e, ops=None: s, raising=False)
+        m.setattr(run.model, "inject", lambda s, e, ops=None, e_term=None: s, raising=False)
         assert check_state_dependency(run).status == "fail"
 
     # start state: evaluation that draws fresh noise each call

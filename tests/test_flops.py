@@ -55,7 +55,10 @@ CASES = [({}, None, "final", 3, 1, True),                    # injection "add": 
          ({}, 2, "every", 2, 3, True),                       # 3 readouts, each with a loss
          ({"model.injection": "none", "model.init_state": "prelude"}, 2, "final", 2, 1, False),
          ({"model.injection": "none", "model.init_state": "prelude"}, None, "final", 3, 1, True),
-         ({"model.injection": "concat"}, 2, "final", 2, 1, True)]
+         ({"model.injection": "concat"}, 2, "final", 2, 1, True),
+         # concat's W_e e once a pass; W_s s's input gradient where the entering state carries one
+         ({"model.injection": "concat", "model.init_state": "prelude"}, None, "every", 3, 3, True),
+         ({"model.injection": "concat", "model.init_state": "zeros"}, None, "final", 3, 1, True)]
 
 
 @pytest.mark.parametrize("over,window,sup,grad_rounds,readouts,prelude_grad", CASES)

@@ -76,8 +76,8 @@ def test_later_rounds_of_earlier_tokens_are_invisible():
             base = m(x).state[0, -1]
             step = m.core_step
 
-            def nudged(s, e, r, rope, cache=None, ops=None, _step=step):
-                out = _step(s, e, r, rope, cache) if ops is None else _step(s, e, r, rope, cache, ops)
+            def nudged(s, e, r, rope, cache=None, ops=None, e_term=None, _step=step):
+                out = _step(s, e, r, rope, cache, e_term=e_term) if ops is None else _step(s, e, r, rope, cache, ops, e_term)
                 if r >= 2:
                     out = out.clone()
                     out[:, :-1] += 0.5

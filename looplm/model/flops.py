@@ -6,10 +6,15 @@ deduplicating reused matrices understates compute. So the count goes by visits:
     block(L)   = 2 * matmul parameters of one block + 4 * n_heads * head_dim * L
                  (the products, then QK^T and AV against L keys; in an MoE core the router and
                  the k chosen experts, not all E: what one token's visit applies)
-    forward    = n_prelude * block + R * (n_core * block + adapter + gate)
+    forward    = n_prelude * block + R * (n_core * block + adapter + gate) + adapter
                  + readouts * (n_coda * block + share * head)    head = 2 * d_model * vocab
-    backward   = 2 * (prelude if gradient reaches it + G * (n_core * block + adapter)
+    backward   = 2 * (prelude if gradient reaches it + G * (n_core * block + adapter) + adapter
                       + gate rounds * gate + readouts with a loss * (n_coda * block + share * head))
+                 - adapter if the state entering the window's first round is a constant
+
+adapter: concat injection's [W_s | W_e] [s; e] as W_s s each round (2 d^2) plus W_e e, the same every
+round and so computed once a forward (LoopedLM.input_term); its input gradient is skipped where s
+carries none. The cached decoder applies the whole 2d x d adapter each round (`decode_flops`, DecodeWork).
 
 R: rounds run; G: rounds inside the backward window up to the last supervised readout (what
 autograd reaches, `LoopOutput.grad_rounds`); readouts: supervised rounds read out (each runs the
@@ -66,25 +71,38 @@ def block_flops(cfg, keys: float, core: bool = False) -> float:
 
 
 def _pieces(cfg, exit_gate: bool) -> tuple[float, float, float]:
-    """(head, adapter, gate) forward FLOPs per token."""
+    """(head, adapter, gate) forward FLOPs per token; adapter: one d x d half of concat's adapter."""
     head = 2 * cfg.d_model * cfg.vocab_size
-    adapter = 2 * (2 * cfg.d_model) * cfg.d_model if cfg.injection == "concat" else 0
+    adapter = 2 * cfg.d_model * cfg.d_model if cfg.injection == "concat" else 0
     gate = 2 * cfg.d_model if exit_gate else 0
     return head, adapter, gate
 
 
-def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False) -> dict[str, float]:
+def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False, input_term_once: bool = True
+               ) -> dict[str, float]:
     """{"forward", "backward", "total"} FLOPs per token for one pass with `visits`, each block
-    attending to `keys` keys."""
+    attending to `keys` keys. input_term_once: the pass computes concat's W_e e once for its rounds
+    (LoopedLM.forward); False: each round applies the whole adapter (the cached decoder)."""
     blk = block_flops(cfg, keys)
     head, adapter, gate = _pieces(cfg, exit_gate)
-    core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter
+    once = adapter if input_term_once else 0.0            # W_e e, once a pass
+    core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter + (0.0 if input_term_once else adapter)
     readout = cfg.n_coda * blk + head * visits.head_share
     router_fwd, router_bwd = router_flops(cfg, visits)
-    fwd = cfg.n_prelude * blk + router_fwd + visits.rounds * (core_round + gate) + visits.readouts * readout
+    fwd = cfg.n_prelude * blk + router_fwd + visits.rounds * (core_round + gate) + once + visits.readouts * readout
+    # W_s s's input gradient is not computed where the state entering the window's first round is a constant
+    skipped = once if visits.grad_rounds and state_enters_constant(cfg, visits) else 0.0
     bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round
-               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout) + router_bwd
+               + (once if visits.grad_rounds else 0.0)
+               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout) + router_bwd - skipped
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
+
+
+def state_enters_constant(cfg, visits: Visits) -> bool:
+    """Whether the state entering the backward window's first round carries no gradient: the window
+    starts after round 1 (the last grad_rounds rounds have gradient), or round 1 starts from zeros or
+    noise rather than the prelude's output."""
+    return visits.rounds - visits.grad_rounds + 1 > 1 or cfg.init_state != "prelude"
 
 
 def router_flops(cfg, visits: Visits) -> tuple[float, float]:
@@ -105,7 +123,7 @@ def router_flops(cfg, visits: Visits) -> tuple[float, float]:
     g = min(visits.grad_rounds, n)                                    # the last g of them have gradient
     # the state entering the window's first round is a constant (computed without gradient, or a
     # zeros/random initial state): there the router's backward makes only its weight gradient
-    constant_first = g > 0 and (n - g + 1 > 1 or cfg.init_state != "prelude")
+    constant_first = g > 0 and state_enters_constant(cfg, Visits(rounds=n, grad_rounds=g))
     fwd, bwd = 2 * d * n, 2 * d * (2 * g - constant_first)
     if cfg.mor_causal == "aux_router":
         fwd += 2 * d * max(0, n - 1)
@@ -122,7 +140,7 @@ def decode_flops(cfg, rounds: int, position: int, exit_gate: bool = False, route
     """Forward FLOPs of decoding one token at `position` (0-based) with `rounds` rounds and one readout
     (router_depths: a Mixture-of-Recursions router's width, the model's nominal rounds)."""
     visits = Visits(rounds=rounds, router_depths=router_depths, router_lookahead=getattr(cfg, "mor", "") == "expert_choice")
-    return pass_flops(cfg, visits, position + 1, exit_gate)["forward"]
+    return pass_flops(cfg, visits, position + 1, exit_gate, input_term_once=False)["forward"]
 
 
 @dataclass
@@ -163,7 +181,7 @@ class DecodeWork:
         blocks = P + readouts * cfg.n_coda - skip_p - skip_k
         core_visits = rounds * K - skip_c
         products = (n * (2 * block_matmul_params(cfg) * blocks + core_visits * 2 * block_matmul_params(cfg, True)
-                         + rounds * adapter + gate_rounds * gate + router)
+                         + rounds * 2 * adapter + gate_rounds * gate + router)
                     + (n * readouts if heads is None else heads) * head)
         fusion = 2 * self.fusion_weights * fused                          # counted over rows already
         keys = n * position + n * (n + 1) // 2                          # the columns' position + 1, summed

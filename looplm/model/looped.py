@@ -218,15 +218,26 @@ class LoopedLM(nn.Module):
             return (torch.randn(shape, generator=generator, dtype=dtype) * self.cfg.init_state_std).to(device)
         return torch.randn(shape, generator=generator, device=device, dtype=dtype) * self.cfg.init_state_std
 
-    def inject(self, s: Tensor, e: Tensor, ops: Ops = EAGER) -> Tensor:
+    def inject(self, s: Tensor, e: Tensor, ops: Ops = EAGER, e_term: Tensor | None = None) -> Tensor:
+        """The core's input for a round from the state s and the loop input e (B, T, d). e_term: concat's
+        e-half product `input_term(e)`, computed once for every round of a forward."""
         kind = self.cfg.injection
         if kind == "add":
             return s + e
-        if kind == "concat":
+        if kind == "concat":       # adapter [W_s | W_e] applied to [s; e]
+            if e_term is not None:
+                return ops.linear(s, self.adapter.weight[:, :s.shape[-1]]) + e_term
             return ops.linear(torch.cat([s, e], dim=-1), self.adapter.weight)
         if kind == "decay":          # a * s + e: a constant update per round now saturates at (e + u) / (1 - a)
             return self.carry().to(s.dtype) * s + e
         return s
+
+    def input_term(self, e: Tensor) -> Tensor | None:
+        """Concat injection's W_e e (B, T, d): the same every round, so a forward computes it once (the
+        untied baseline's stack of R blocks would otherwise redo it R times); None for the other kinds."""
+        if self.cfg.injection != "concat":
+            return None
+        return nn.functional.linear(e, self.adapter.weight[:, e.shape[-1]:])
 
     def carry(self) -> Tensor:
         """Decay injection's per-channel carry a = exp(-exp(theta)) (d,), in float32."""
@@ -243,20 +254,22 @@ class LoopedLM(nn.Module):
         known = tap.known(slot) if hasattr(tap, "known") else None
         return tap(slot, block(x, rope, cache, slot, ops) if known is None else known)
 
-    def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None, ops: Ops = EAGER) -> Tensor:
-        """One round: inject the input, run the K core blocks (round r picks its own blocks if untied)."""
+    def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None, ops: Ops = EAGER,
+                  e_term: Tensor | None = None) -> Tensor:
+        """One round: inject the input, run the K core blocks (round r picks its own blocks if untied).
+        e_term: `input_term(e)` when the caller computed it once for its rounds."""
         K = self.cfg.n_core
         blocks = self.core[(r - 1) * K: r * K] if self.cfg.untied else self.core
-        x = self.inject(s, e, ops)
+        x = self.inject(s, e, ops, e_term)
         for i, block in enumerate(blocks):
             x = self.visit(block, x, rope, cache, ("core", r, i), ops)
         return rms_norm(self.state_norm, x) if self.state_norm is not None else x
 
     def routed_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any, weight: Tensor,
-                    ops: Ops = EAGER) -> Tensor:
+                    ops: Ops = EAGER, e_term: Tensor | None = None) -> Tensor:
         """One round of a routed loop for tokens that run it: s + w * (core_step(s) - s), w (B, T) the
         router's weight of each token's depth (model/recursions.py)."""
-        new = self.core_step(s, e, r, rope, cache, ops)
+        new = self.core_step(s, e, r, rope, cache, ops, e_term)
         return s + weight.unsqueeze(-1) * (new - s)
 
     def route(self, e: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -412,7 +425,8 @@ class LoopedLM(nn.Module):
         if cache is None and self.cfg.kv_sharing == "first":      # later rounds read round 1's keys/values
             from .recursions import RoutedVisibility
             core_cache = RoutedVisibility("shared_first")
-        step = lambda s, r: self.core_step(s, e, r, rope, core_cache)    # noqa: E731
+        e_term = self.input_term(e)
+        step = lambda s, r: self.core_step(s, e, r, rope, core_cache, e_term=e_term)    # noqa: E731
         routed = None
         if self.mor_router is not None:        # each token runs the rounds its router gives it
             if cache is not None:

@@ -145,6 +145,7 @@ class RoutedLoop:
 
     def __init__(self, model, e: Tensor, rope: Any, rounds: int, full_depth: bool):
         self.model, self.e, self.rope, self.full = model, e, rope, full_depth
+        self.e_term = model.input_term(e)          # concat's W_e e, once for every round
         B, T = e.shape[:2]
         rule = model.cfg.mor_cache
         if model.cfg.mor == "token_choice":
@@ -170,7 +171,8 @@ class RoutedLoop:
             self.kept, self.count = runs, self.count + runs
             if rec is not None:
                 self.records.append(rec)
-        return torch.where(runs.unsqueeze(-1), m.routed_step(s, self.e, r, self.rope, self.vis, weight), s)
+        return torch.where(runs.unsqueeze(-1), m.routed_step(s, self.e, r, self.rope, self.vis, weight,
+                                                             e_term=self.e_term), s)
 
     def record(self, out: Any) -> None:
         if self.model.cfg.mor == "token_choice":
