@@ -292,7 +292,7 @@ def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
 
 COST_ORDER = ("untied_same_compute", "looped", "untied_same_params", "lstm")
 """The models from the costliest to train to the cheapest (the built-in recipe, two workers side by side:
-~20.3, ~13, ~4.3 and ~2.1 minutes of one core a seed, docs/tasks.md): the cheapest last, so the two
+~15.8, ~10.6, ~3.4 and ~1.9 minutes of one core a seed, docs/tasks.md): the cheapest last, so the two
 cores' last models end close together."""
 
 
