@@ -58,7 +58,10 @@ CASES = [({}, None, "final", 3, 1, True),                    # injection "add": 
          ({"model.injection": "concat"}, 2, "final", 2, 1, True),
          # concat's W_e e once a pass; W_s s's input gradient where the entering state carries one
          ({"model.injection": "concat", "model.init_state": "prelude"}, None, "every", 3, 3, True),
-         ({"model.injection": "concat", "model.init_state": "zeros"}, None, "final", 3, 1, True)]
+         ({"model.injection": "concat", "model.init_state": "zeros"}, None, "final", 3, 1, True),
+         # a routed loop (Mixture-of-Recursions) injects through the same once-a-forward term
+         ({"model.injection": "concat", "model.init_state": "prelude", "model.mor": "token_choice"},
+          None, "final", 3, 1, True)]
 
 
 @pytest.mark.parametrize("over,window,sup,grad_rounds,readouts,prelude_grad", CASES)

@@ -432,7 +432,7 @@ class LoopedLM(nn.Module):
             if cache is not None:
                 raise ValueError("a routed loop's forward runs whole sequences; decode through the Engine")
             from .recursions import RoutedLoop
-            routed = RoutedLoop(self, e, rope, rounds, full_depth)
+            routed = RoutedLoop(self, e, rope, rounds, full_depth, e_term)
             step = routed.step
         moe = [(i, blk.mlp) for i, blk in enumerate(self.core) if hasattr(blk.mlp, "trace")]
         for _, mlp in moe:                     # every visit's routing, for the losses and the statistics

@@ -143,9 +143,9 @@ class RoutedLoop:
     by round — by the top-k in training, by the causal decision in eval mode (what decoding runs).
     A token that does not run round r keeps its state; the cache rule masks what each round sees."""
 
-    def __init__(self, model, e: Tensor, rope: Any, rounds: int, full_depth: bool):
+    def __init__(self, model, e: Tensor, rope: Any, rounds: int, full_depth: bool, e_term: Tensor | None = None):
         self.model, self.e, self.rope, self.full = model, e, rope, full_depth
-        self.e_term = model.input_term(e)          # concat's W_e e, once for every round
+        self.e_term = e_term                       # concat's W_e e, computed once by the forward
         B, T = e.shape[:2]
         rule = model.cfg.mor_cache
         if model.cfg.mor == "token_choice":
