@@ -12,9 +12,17 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error convention: one line on stderr and exit 2 (the usage text argparse
+    would print first lives in --help). Subcommands' parsers are built from this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _overrides(pairs: list[str] | None) -> dict[str, Any]:
@@ -50,7 +58,7 @@ def _emit(obj: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .recipe.config import load_recipe
+    from .recipe.config import load_recipe, single_run_recipe
     from .train.trainer import train
 
     if args.stage2 and args.init:
@@ -59,16 +67,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         from .train.trainer import stage2_recipe
         if args.recipe:
             raise UserError("--stage2 RUN takes its recipe from RUN; change fields with --set, not --recipe")
-        recipe = stage2_recipe(args.stage2, _overrides(args.set))
+        recipe = single_run_recipe(stage2_recipe(args.stage2, _overrides(args.set)), _overrides(args.set))
         out = args.out or f"{args.stage2.rstrip('/')}-stage2"
         report = train(recipe, out, resume=args.resume, init_from=args.stage2)
     elif args.init:  # continue training a run's weights (an imported pretrained model, a finished run)
         from .train.trainer import init_recipe
-        recipe = init_recipe(args.init, args.recipe, _overrides(args.set))
+        recipe = single_run_recipe(init_recipe(args.init, args.recipe, _overrides(args.set)), _overrides(args.set))
         out = args.out or f"{args.init.rstrip('/')}-trained"
         report = train(recipe, out, resume=args.resume, init_from=args.init)
     else:
-        recipe = load_recipe(args.recipe or "quickstart", _overrides(args.set))
+        recipe = single_run_recipe(load_recipe(args.recipe or "quickstart", _overrides(args.set)), _overrides(args.set))
         if not args.out and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("--out: name the run folder when launching several processes (torchrun); "
                             "each would otherwise time-stamp its own")
@@ -109,9 +117,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_data_prepare(args: argparse.Namespace) -> int:
-    from .data.prepared import prepare
+    from .data.prepared import RECIPE_FIELDS, prepare
     from .recipe.config import load_recipe
 
+    unread = [k for k in _overrides(args.set) if k not in RECIPE_FIELDS]
+    if unread:
+        raise UserError(f"--set {unread[0]}: `looplm data prepare` reads only {', '.join(RECIPE_FIELDS)} "
+                        "(SOURCE is its data.path; the rest applies when training on the prepared folder)")
     # SOURCE is the data.path this recipe reads (so data.text_field applies to it)
     overrides = {**_overrides(args.set), "data.path": args.source}
     overrides.update({k: v for k, v in (("data.tokenizer", args.tokenizer), ("data.text_field", args.text_field)) if v})
@@ -417,7 +429,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         logit_bias={}, stop=[], logprobs=None, prompt_mode=None, recirculation=None, contrast=None)
         rounds = args.rounds
         if args.exit and args.exit.strip().startswith("fixed:"):  # a fixed depth is just --rounds here
-            from .halting.hazards import parse_exit_policy
+            from .halting import parse_exit_policy
             rounds, options["exit"] = int(parse_exit_policy(args.exit).value), None
         given = [k for k, v in options.items() if v != defaults[k]]
         if given:
@@ -823,7 +835,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="looplm", description="Build, train, evaluate and serve looped language models.")
+    p = _Parser(prog="looplm", description="Build, train, evaluate and serve looped language models.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
 

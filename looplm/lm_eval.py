@@ -98,12 +98,14 @@ class LoopLM(TemplateLM):
     def __init__(self, run: str | None = None, rounds: int | str | None = None, exit: str | None = None,
                  device: str | None = None, batch_size: int | str = 1, max_batch_size: int | None = None,
                  seed: int | str = 0, max_gen_toks: int | str = 256, prompt_mode: str | None = None) -> None:
-        # max_batch_size: lm-eval passes it to every model (the cap of its batch_size auto, which this model refuses)
         super().__init__()
         if run is None:
             raise UserError("model_args: run=DIR (a looplm run folder) is required")
         if str(batch_size).strip().startswith("auto"):
             raise UserError("batch_size auto: not supported by the looplm model; give a number of prompts per batch")
+        if max_batch_size is not None:      # lm-eval passes it only when asked (its default is None)
+            raise UserError(f"max_batch_size {max_batch_size}: it caps batch_size auto, which the looplm model does "
+                            "not support; give batch_size=N (prompts per batch) instead")
         self.run: Run = load_run(str(run), device=device or "cpu")
         self.engine = _scoring_engine(self.run, None if rounds is None else _int_arg(rounds, "rounds", 1),
                                       None if exit is None else str(exit))

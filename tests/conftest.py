@@ -53,8 +53,9 @@ def answer_scores(model, tok, examples, rounds: int, separator: bool) -> tuple[f
 
 def tiny_recipe(**overrides):
     merged = {**TINY, **overrides}
-    if merged.get("data.task"):       # task data is as long as its prompts: no data.seq_len
-        merged.pop("data.seq_len")
+    if merged.get("data.task"):       # task data is as long as its prompts (no data.seq_len) and scored by
+        merged.pop("data.seq_len")    # held-out examples (no train.eval_batches)
+        merged.pop("train.eval_batches", None)
     return looplm.load_recipe("quickstart", overrides=merged)
 
 

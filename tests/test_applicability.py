@@ -11,6 +11,7 @@ witness table below says which values it can take.
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 import typing
 from typing import Any, Literal
@@ -208,3 +209,57 @@ def test_the_gate_line_comes_from_the_gradient_the_gate_received(tmp_path, monke
     report = train(tiny_recipe(**gated), tmp_path / "b", quiet=True)
     assert report["exit_gate"]["steps_with_gradient"] == 0
     assert "NEVER TRAINED" in (tmp_path / "b" / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# Fields one command reads and another does not: refused where given, reset (with a note) where a recipe
+# file carries them, never accepted and ignored.
+
+def test_experiment_only_fields_are_refused_by_train_and_reset_from_a_recipe(tmp_path, capsys, caplog):
+    from looplm.recipe.config import EXPERIMENT_ONLY, single_run_recipe
+    for key, value in (("data.baselines", "[]"), ("data.probe_examples", "0")):
+        code, _, err = _cli(capsys, "train", "--out", tmp_path / "r", "--set", f"{key}={value}",
+                            "--set", "data.task=chain")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and key in err and "experiment" in err
+        assert not (tmp_path / "r").exists()
+    # the built-in extrapolate recipe sets them (here probe_examples too, as a recipe file may): `looplm train`
+    # runs it with both at their defaults, saying so
+    rec = looplm.load_recipe("extrapolate", overrides={"data.probe_examples": 50})
+    default = looplm.load_recipe("quickstart", overrides={"data.task": "chain"})
+    assert rec.data.baselines != default.data.baselines and rec.data.probe_examples != default.data.probe_examples
+    with caplog.at_level("WARNING"):
+        single = single_run_recipe(rec, {})
+    assert (single.data.baselines, single.data.probe_examples) == (default.data.baselines, default.data.probe_examples)
+    assert all(any(k in m and "reset to its default" in m for m in caplog.messages) for k in EXPERIMENT_ONLY)
+    assert dataclasses.replace(single, data=rec.data) == rec          # nothing else changed
+
+
+def test_eval_batches_is_refused_on_a_task_run():
+    with pytest.raises(UserError, match="train.eval_batches"):
+        looplm.load_recipe("quickstart", overrides={"data.task": "chain", "train.eval_batches": 3})
+    assert looplm.load_recipe("quickstart", overrides={"train.eval_batches": 3}).train.eval_batches == 3
+
+
+def test_data_prepare_refuses_fields_it_never_reads(tmp_path, text_dir, capsys):
+    code, _, err = _cli(capsys, "data", "prepare", text_dir, "--out", tmp_path / "p", "--set", "model.d_model=64")
+    assert code == 2 and "model.d_model" in err and "data.val_fraction" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p").exists()
+    code, _, _ = _cli(capsys, "data", "prepare", text_dir, "--out", tmp_path / "q", "--quiet",
+                      "--set", "data.val_fraction=0.3")
+    assert code == 0 and json.loads((tmp_path / "q" / "manifest.json").read_text())["val_fraction"] == 0.3
+
+
+def test_lm_eval_refuses_max_batch_size(tiny_run):
+    pytest.importorskip("lm_eval")
+    from looplm.lm_eval import LoopLM
+    with pytest.raises(UserError, match="max_batch_size"):
+        LoopLM.create_from_arg_string(f"run={tiny_run},max_batch_size=8")
+    with pytest.raises(UserError, match="max_batch_size"):            # lm-eval's own --max_batch_size 8
+        LoopLM.create_from_arg_obj({"run": str(tiny_run)}, {"batch_size": 1, "max_batch_size": 8, "device": "cpu"})
+    assert LoopLM.create_from_arg_obj({"run": str(tiny_run)}, {"batch_size": 2, "max_batch_size": None}).batch_size == 2
+
+
+def _cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err

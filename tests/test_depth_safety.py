@@ -91,8 +91,13 @@ def test_fixed_point_loss_and_gradient_match_a_hand_unrolled_loop():
     hand = _grads(model)
     core = [n for n in hand if n.startswith("core.")]
     assert core and any(hand[n].abs().max() > 0 for n in core)
+    eps = torch.finfo(torch.float32).eps
     for n in core:
-        torch.testing.assert_close(with_term[n] - without[n], hand[n], rtol=1e-4, atol=1e-7)
+        # with - without cancels two float32 gradients of size |without|: their rounding (a few eps x that
+        # size, in whatever order this CPU sums) is the floor, far below the term's own gradient
+        floor = 64 * eps * float(without[n].abs().max())
+        assert floor < 0.01 * float(hand[n].abs().max())                 # the comparison still bites
+        torch.testing.assert_close(with_term[n] - without[n], hand[n], rtol=1e-4, atol=floor)
 
 
 def test_fixed_point_term_function_rounds_and_masks():

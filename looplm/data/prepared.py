@@ -53,6 +53,10 @@ READABLE_VERSIONS = (1, 2)
 SHARD_TOKENS = 1 << 24
 """Default tokens per training shard (32 MiB of uint16 ids)."""
 
+RECIPE_FIELDS = ("data.tokenizer", "model.vocab_size", "data.max_bytes", "data.val_fraction", "data.text_field")
+"""The recipe fields `prepare` reads (the prepared bytes depend on these alone); `looplm data prepare --set`
+refuses any other, which would change nothing."""
+
 
 def tokenize_splits(kind: str, vocab_size: int, train_docs: Callable[[], Iterable[Document]],
                     val_docs: Callable[[], Iterable[Document]], tok_dir: Path, data_dir: Path,

@@ -596,8 +596,9 @@ class TrainConfig:
     """Steps between metrics.jsonl lines (and progress bar updates)."""
     checkpoint_every: int = 100
     """Steps between checkpoints (one is always written at the end)."""
-    eval_batches: int = 8
-    """Validation batches for val_loss_by_rounds."""
+    eval_batches: int = applies(TEXT_DATA, default=8)
+    """Language-model data: validation batches for val_loss_by_rounds (a task run scores data.eval_examples
+    held-out examples per difficulty instead)."""
     threads: int = 0
     """torch CPU threads (0 = torch default)."""
     stage: Literal[1, 2] = 1
@@ -939,6 +940,32 @@ def derive_recipe(base: dict[str, Any], overrides: dict[str, Any], quiet: bool =
     for note in notes if not quiet else ():
         log.warning(note)
     return recipe
+
+
+EXPERIMENT_ONLY = {"data.probe_examples": "looplm experiment extrapolate",
+                   "data.baselines": "looplm experiment extrapolate"}
+"""Fields that only an experiment reads (-> the command that does): `looplm train` trains the one model the
+recipe describes, so they cannot apply there."""
+
+
+def single_run_recipe(recipe: Recipe, overrides: dict[str, Any]) -> Recipe:
+    """The recipe `looplm train` runs: a field of EXPERIMENT_ONLY the user set with --set is refused; one a
+    recipe file sets (the built-in `extrapolate` sets both) goes back to its default with a note, as an
+    inapplicable field a recipe carries does (`resolve_overrides`), so the run's recipe.toml records
+    nothing it did not use."""
+    changes: dict[str, dict[str, Any]] = {}
+    for key, command in EXPERIMENT_ONLY.items():
+        if key in overrides:
+            raise UserError(f"--set {key}: only `{command}` reads it; `looplm train` trains the recipe's one model")
+        section, name = key.split(".")
+        fld = next(f for f in dataclasses.fields(getattr(recipe, section)) if f.name == name)
+        value, default = getattr(getattr(recipe, section), name), _default(fld)
+        if value != default:
+            log.warning(f"recipe: {key} = {_toml_value(_to_plain(value))} (from the recipe) reset to its default: "
+                        f"only `{command}` reads it, not `looplm train`")
+            changes.setdefault(section, {})[name] = default
+    return dataclasses.replace(recipe, **{sec: dataclasses.replace(getattr(recipe, sec), **kw)
+                                          for sec, kw in changes.items()}) if changes else recipe
 
 
 def load_recipe(name_or_path: str = "quickstart", overrides: dict[str, Any] | None = None) -> Recipe:
