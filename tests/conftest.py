@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import looplm
 
-# Tiny models run fastest on one thread; more threads only contend (and crawl on a busy machine).
-torch.set_num_threads(1)
+# Tiny models run fastest on one thread; more threads only contend (and crawl on a busy machine). The suite
+# passes at any count: LOOPLM_TEST_THREADS=2 python -m pytest -q runs it at two.
+torch.set_num_threads(int(os.environ.get("LOOPLM_TEST_THREADS", "1")))
 
 TINY = {
     "model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
