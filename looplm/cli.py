@@ -474,7 +474,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ServeLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                          max_concurrent=args.max_concurrent, max_batch=args.max_batch,
                          max_batches=args.max_batches, batch_window_ms=args.batch_window_ms,
-                         prefill_chunk=args.prefill_chunk, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+                         prefill_chunk=args.prefill_chunk, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                         max_connections=args.max_connections, keep_alive=args.keep_alive)
     engine_options = {k: v for k, v in dict(exit=args.exit, prefill_cache=args.prefill_cache,
                                             decode_cache=args.decode_cache, missing=args.missing_kv,
                                             speculative=args.speculative,
@@ -707,10 +709,12 @@ def cmd_recirculate(args: argparse.Namespace) -> int:
     ev.heatmap(table, files["png"])
     Path(files["md"]).write_text(ev.markdown(table, args.run, "recirculation_calibration.png") + "\n")
     Path(files["json"]).write_text(json.dumps(table, indent=1) + "\n")
-    best = table["best"]
-    text = (f"best: s {best['s']} -> d {best['d']} at alpha {best['alpha']:g}: perplexity change "
-            f"{best['change_pct']:+.3f}% ({table['base']['ppl']:.3f} -> {best['ppl']:.3f}) on {table['tokens']} "
-            f"held-out tokens; positive = better, negative = worse"
+    sel, conf = table["selection"], table["confirmation"]      # picked on one split, confirmed on the other
+    best = sel["best"]
+    text = (f"best on the selection split: s {best['s']} -> d {best['d']} at alpha {best['alpha']:g}: perplexity "
+            f"change {best['change_pct']:+.3f}% ({sel['base']['ppl']:.3f} -> {best['ppl']:.3f}) on {sel['tokens']} "
+            f"held-out tokens; confirmation on {conf['tokens']} other tokens: {conf['best']['change_pct']:+.3f}% "
+            f"({conf['base']['ppl']:.3f} -> {conf['best']['ppl']:.3f}); positive = better, negative = worse"
             + ("" if best["change_pct"] > 0 else " (no setting improves on the base model)")
             + f"\nwritten: {files['png']}, {files['md']}, {files['json']}")
     _emit({**table, "files": files}, args.json, text)
@@ -768,6 +772,16 @@ def cmd_recipe_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment_out(out: str | None, name: str) -> str:
+    """An experiment's folder: --out, or runs/NAME-TIMESTAMP; refused before any training when it is a file
+    or a folder that already holds something (an experiment's models train into fresh run folders)."""
+    from pathlib import Path
+    from .outdir import refuse_foreign
+    out = out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    refuse_foreign(Path(out), "--out")
+    return out
+
+
 def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
     from .recipe.config import load_recipe
     from .experiments import extrapolate as ex
@@ -778,7 +792,7 @@ def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
                         f"{','.join(map(str, ex.DEFAULT_SEEDS))})")
     seeds = ex.parse_seeds(args.seeds) if args.seeds is not None else list(ex.DEFAULT_SEEDS)
     recipe = load_recipe(args.recipe, {**(ex.QUICK_OVERRIDES if args.quick else {}), **overrides})
-    out = args.out or f"runs/{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = _experiment_out(args.out, recipe.name)
     threshold = ex.LOOKUP_THRESHOLD if args.lookup_threshold is None else args.lookup_threshold
     result = ex.run_extrapolate(recipe, out, seeds=seeds, lookup_threshold=threshold)
     where = "report.md, heatmap_*.png" if len(seeds) == 1 else "report.md, heatmap_seeds_*.png; each seed in seed-S/"
@@ -792,7 +806,7 @@ def cmd_experiment_deeploop(args: argparse.Namespace) -> int:
     from .experiments import deeploop as dl
 
     recipe = load_recipe(args.recipe, {**(dl.QUICK if args.quick else dl.SMALL), **_overrides(args.set)})
-    out = args.out or f"runs/deeploop-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = _experiment_out(args.out, "deeploop")
     grid = dl.QUICK_GRID if args.quick else (dl.EXPONENTS, dl.ROUNDS, dl.SEEDS)
     result = dl.run_deeploop(recipe, out, *grid)
     _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json)",
@@ -805,7 +819,7 @@ def cmd_experiment_loopmoe(args: argparse.Namespace) -> int:
     from .experiments import loopmoe as lm
 
     recipe = load_recipe(args.recipe, {**(lm.QUICK if args.quick else lm.SMALL), **_overrides(args.set)})
-    out = args.out or f"runs/loopmoe-compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = _experiment_out(args.out, "loopmoe-compare")
     moe = recipe.model.moe_experts > 0
     result = lm.run_loopmoe(recipe, out, experts=recipe.model.moe_experts if moe else 8,
                             top_k=recipe.model.moe_top_k if moe else 2)
@@ -820,7 +834,7 @@ def cmd_experiment_depth(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, {**(dp.QUICK if args.quick else {}), **_overrides(args.set)})
     variants = dp.parse_variants(args.variants, recipe)
-    out = args.out or f"runs/depth-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = _experiment_out(args.out, "depth")
     result = dp.run_depth(recipe, out, variants)
     _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json, depth_safety.png)",
                                         *dp.summary_lines(result)]))
@@ -974,6 +988,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=int, default=1 << 20,
                     help="largest request body in bytes; larger gets 413 before it is read in full (default 1 MiB)")
     sv.add_argument("--max-concurrent", type=int, default=64, help="prompts in flight before 429")
+    sv.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                    help="seconds a connection may take to send a request's line and headers, from connecting "
+                         "(or from the first byte after its last response); later it is closed (default 10)")
+    sv.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                    help="seconds a request's whole body may take to arrive after its headers; later: 408 and "
+                         "the connection closed (default 30)")
+    sv.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                    help="connections held at once; a request on one beyond them gets 503 and the connection is "
+                         "closed (default 1024)")
+    sv.add_argument("--keep-alive", type=float, default=5.0, metavar="S",
+                    help="seconds an idle connection stays open after a response (0 = close after each; "
+                         "default 5)")
     sv.add_argument("--max-batch", type=int, default=8, help="prompts decoded together")
     sv.add_argument("--max-batches", type=int, default=4,
                     help="batches running at once, one decode step each in turn (new prompts need not wait)")

@@ -29,9 +29,10 @@ decoding gets 2.5-3x slower (benchmarks/two_threads.py; a worker thread is fast 
 other thread touches torch).
 Tokens flow back to each request through its own queue as they are sampled, which is what
 `stream: true` sends as server-sent events. A row whose client has gone away stops and frees its
-place: at the next step for a closed stream, within DISCONNECT_CHECK_S (0.25 s) for a client
-that was waiting for the whole response. Each batch's cache holds `max_batch` rows of the
-whole context (bench-s: 4 MiB a row), allocated when the batch starts.
+place: at the next step for a closed stream, and for a client that was waiting for the whole
+response as soon as the server reports its disconnect (a task awaits ASGI's `http.disconnect`).
+Each batch's cache holds `max_batch` rows of the whole context (bench-s: 4 MiB a row), allocated
+when the batch starts.
 
 With `--speculative` every prompt is a batch of one row (speculation is batch-1), and batches
 advance one verification each in turn.
@@ -59,6 +60,9 @@ over `max_body_bytes` gets 413 before it is read in full or parsed (`_Gate`: the
 size, ahead of FastAPI), `max_tokens` and `n` are bounded (`max_n`; prompts x n at most
 `max_batch`, counted before any prompt is tokenized), `seed` is a 64-bit integer, `logprobs` at
 most 5, `stop` at most 16 strings and `logit_bias` at most 300 tokens (SamplingParams's checks).
+What a connection may hold is bounded too: its headers within `header_timeout`, its body within
+`body_timeout` (408), at most `max_connections` held (503 beyond), idle for `keep_alive` between
+requests (serve_bounds.py, and the body's deadline in `_Gate`).
 Extensions beyond OpenAI's fields: `top_k`, `repetition_penalty`, and `rounds_used` per choice.
 A request without `seed` samples with a fresh seed, except greedy ones (temperature 0), which use
 seed 0, so that a model with a random initial loop state still answers a greedy prompt the same way.
@@ -83,6 +87,10 @@ from .inference.engine import Engine, SamplingParams
 from .inference.sampler import positions_run
 from .inference.scheduler import Row, Scheduler
 from .data.tokenizer import EOS_TOKEN, encode_with_eos
+
+
+MAX_TIMEOUT_S = 3600.0
+"""The longest header, body or keep-alive timeout a server takes (an hour: longer is no bound)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,13 +120,36 @@ class ServeLimits:
     """Prompt columns a new batch prefills per tick, and joining prompts per tick of the batch
     they join (0 = a whole prompt in one tick): a long prompt then delays the other rows' next
     tokens by one chunk's time, not the prompt's."""
+    # What one connection may hold (serve_bounds.py; the body deadline is _Gate's). A client
+    # sends its request line and headers in one write, so 10 s is slack for any real network
+    # and still frees a trickler's connection quickly; 30 s for the whole body asks 35 KB/s of
+    # a 1 MiB body; 1024 connections cost a few MiB of buffers at most (the work is bounded by
+    # max_concurrent); 5 s of keep-alive is uvicorn's default, enough for a client's next request.
+    header_timeout: float = 10.0
+    """Seconds a connection may take to send a request's line and headers, counted from its
+    connecting, or on a kept-alive connection from the first byte after its previous response;
+    later: closed (with a 408 when part of a request came)."""
+    body_timeout: float = 30.0
+    """Seconds a request's whole body may take to arrive once its headers are in; later: 408 and
+    closed. A total, not a gap between bytes, which a trickle of one byte per gap would defeat."""
+    max_connections: int = 1024
+    """Connections held at once; a request on a connection beyond them gets 503 and the connection
+    is closed (those already held keep being served)."""
+    keep_alive: float = 5.0
+    """Seconds an idle connection stays open after a response (0 = closed after each response)."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens < 0:
             raise UserError(f"--max-prompt-tokens {self.max_prompt_tokens}: must be >= 0 (0 = the context)")
-        for name in ("max_tokens", "max_n", "max_body_bytes", "max_concurrent", "max_batch", "max_batches"):
+        for name in ("max_tokens", "max_n", "max_body_bytes", "max_concurrent", "max_batch", "max_batches",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+        for name, zero_ok in (("header_timeout", False), ("body_timeout", False), ("keep_alive", True)):
+            value = getattr(self, name)               # seconds; nan fails every comparison
+            if not ((value >= 0 if zero_ok else value > 0) and value <= MAX_TIMEOUT_S):
+                low = "[0" if zero_ok else "(0"
+                raise UserError(f"--{name.replace('_', '-')} {value}: must be seconds in {low}, {MAX_TIMEOUT_S:g}]")
         if self.prefill_chunk < 0:
             raise UserError(f"--prefill-chunk {self.prefill_chunk}: must be >= 0 (0 = the whole prompt at once)")
         if not 0 <= self.batch_window_ms <= 10_000:
@@ -198,12 +229,21 @@ def _token_text(tokenizer: Any, token: int) -> str:
     return piece
 
 
-DISCONNECT_CHECK_S = 0.25
-"""How often a request waiting for a whole (non-streamed) response checks that its client is still there."""
-
-
 class _ClientGone(Exception):
     """The client of a non-streamed request disconnected; its rows are stopped."""
+
+
+_GONE = object()
+"""Put on a non-streamed request's event queue when its client disconnects."""
+
+
+async def _until_disconnect(receive: Any) -> None:
+    """Returns when the client has gone. Once a request's body is read, ASGI's receive() next
+    gives `http.disconnect` when the connection closes (the spec's way to learn it, and what
+    Starlette's StreamingResponse waits on); polling Request.is_disconnected() instead relies on
+    the server answering a receive() that is cancelled before it can wait."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Choices:
@@ -324,10 +364,13 @@ class _Gate:
     run, so a key checked there would come after reading whatever an unauthenticated client
     sent, and a size limit there would come after buffering it; here a missing or wrong key gets
     401 without the body being read, and a body over the limit 413 as soon as it passes the limit
-    (at once when its Content-Length says so; a chunked one is read up to the limit)."""
+    (at once when its Content-Length says so; a chunked one is read up to the limit). A body
+    that has not arrived whole `body_timeout` seconds after the request reached the app gets 408
+    and the connection is closed (the header deadline before it is the HTTP protocol's:
+    serve_bounds.py)."""
 
-    def __init__(self, app: Any, *, key: bytes | None, max_body: int):
-        self.app, self.key, self.max_body = app, key, max_body
+    def __init__(self, app: Any, *, key: bytes | None, max_body: int, body_timeout: float):
+        self.app, self.key, self.max_body, self.body_timeout = app, key, max_body, body_timeout
 
     def key_error(self, headers: dict[bytes, bytes]) -> str | None:
         """Why this request's Authorization header is refused (None: it carries the key)."""
@@ -362,8 +405,15 @@ class _Gate:
                 await self.too_large(int(declared), close=True)(scope, receive, send)
                 return
         body, more = bytearray(), True
-        while more:                                   # the whole body, up to the limit
-            message = await receive()
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
+        while more:                                   # the whole body, up to the limit and the deadline
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                await _error(408, f"request body not complete within {self.body_timeout:g} s (--body-timeout)",
+                             None, headers=_CLOSE)(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return                                # nobody is left to answer
             body += message.get("body", b"")
@@ -430,7 +480,8 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
     app = FastAPI(title="looplm", lifespan=lifespan, **docs)
     app.state.scheduler = sched
     key = None if api_key is None else check_api_key(api_key).encode("ascii")
-    app.add_middleware(_Gate, key=key, max_body=limits.max_body_bytes)     # see _Gate for why not a dependency
+    app.add_middleware(_Gate, key=key, max_body=limits.max_body_bytes,     # see _Gate for why not a dependency
+                       body_timeout=limits.body_timeout)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> Any:
@@ -570,32 +621,32 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             sched.submit(mine[-1])
         wake.set()
 
+        def on_gone(watch: asyncio.Task) -> None:
+            if not watch.cancelled():
+                watch.exception()            # a receive() that failed: the connection is gone too
+                events.put_nowait((-1, _GONE))
+
         async def rows() -> Any:
             """(choice index, TokenEvent) until every row finished; raises the engine's error, or
-            _ClientGone when a client waiting for a whole response has disconnected (checked every
-            DISCONNECT_CHECK_S; a closed stream ends its generator instead)."""
-            left, checked = n_rows, time.monotonic()
+            _ClientGone as soon as a client waiting for a whole response disconnects (a closed
+            stream ends its generator instead)."""
+            left = n_rows
+            watch = None if req.stream else asyncio.create_task(_until_disconnect(request.receive))
+            if watch is not None:
+                watch.add_done_callback(on_gone)
             try:
                 while left:
-                    if req.stream or not events.empty():
-                        i, ev = await events.get()
-                    else:
-                        try:
-                            i, ev = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
-                        except asyncio.TimeoutError:
-                            i, ev = -1, None
-                    if not req.stream and time.monotonic() - checked >= DISCONNECT_CHECK_S:
-                        checked = time.monotonic()
-                        if await request.is_disconnected():
-                            raise _ClientGone()
-                    if ev is None:
-                        continue
+                    i, ev = await events.get()
+                    if ev is _GONE:
+                        raise _ClientGone()
                     if isinstance(ev, Exception):
                         raise ev
                     if ev.finish_reason:
                         left -= 1
                     yield i, ev
             finally:                 # done, or the client went away: the scheduler may stop these rows
+                if watch is not None:
+                    watch.cancel()
                 for r in mine:
                     r.cancelled = True
                 sched.release(n_rows)
@@ -648,13 +699,16 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
           engine_options: dict[str, Any] | None = None, log_level: str = "info", device: str = "cpu",
           api_key: str | None = None) -> None:
-    """Load a run and serve it until interrupted (with `api_key`: only to clients that send it)."""
+    """Load a run and serve it until interrupted (with `api_key`: only to clients that send it),
+    each connection bounded by `limits` (serve_bounds.py)."""
     import sys
 
     import uvicorn
 
     from .runs.checkpoint import load_run
+    from .serve_bounds import fit_file_limit, uvicorn_options
 
+    limits = limits or ServeLimits()
     if not 0 <= port <= 65535:
         raise UserError(f"--port {port}: must lie in 0..65535")
     if api_key is not None:
@@ -664,6 +718,7 @@ def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: Se
     app = create_app(engine, model_name=run.path.resolve().name, limits=limits, api_key=api_key)
     print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r}"
           f"{'; API key required' if api_key is not None else ''})", file=sys.stderr)   # never the key itself
-    if (warning := exposure_warning(host, api_key)) is not None:
-        print(warning, file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    for warning in (exposure_warning(host, api_key), fit_file_limit(limits.max_connections)):
+        if warning is not None:
+            print(warning, file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_options(limits))

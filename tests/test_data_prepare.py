@@ -195,11 +195,15 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, text_dir, capsys, 
     out = tmp_path / "out"
     proc = killed_prepare(text_dir, out)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert (out / "prepare.journal.json").is_file() and not (out / "manifest.json").exists()
-    assert {f"train-{i:05d}.bin" for i in range(KILLED_AFTER)} <= set(os.listdir(out))
-    # an unfinished folder is neither a prepared folder nor text to train on
+    # the work so far is beside OUT, in OUT.partial: OUT itself appears only when whole
+    partial = tmp_path / "out.partial"
+    assert not out.exists() and (partial / "prepare.journal.json").is_file()
+    assert {f"train-{i:05d}.bin" for i in range(KILLED_AFTER)} <= set(os.listdir(partial))
+    # an unfinished folder is neither a prepared folder nor text to train on, by either name
     run = ["train", "--out", str(tmp_path / "run"), *sets(**{"data.path": out})]
-    assert "prepare" in refusal(capsys, run)
+    err = refusal(capsys, run)
+    assert "not prepared yet" in err and str(partial) in err
+    assert "has not finished" in refusal(capsys, run[:-1] + [f"data.path={partial}"])
     # other settings into the same folder are refused, naming what differs
     for extra, differs in ((["--set", "data.val_fraction=0.2"], "val_fraction"), (["--shard-tokens", "999"], "shard_tokens")):
         err = refusal(capsys, ["data", "prepare", str(text_dir), "--out", str(out), *RESUMABLE, *extra])
@@ -214,8 +218,8 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, text_dir, capsys, 
     monkeypatch.setattr(prepared, "prepare", lambda *a, **k: real(*a, **k, on_shard=lambda s, n: calls.append(n)))
     assert main(["data", "prepare", str(text_dir), "--out", str(out), *RESUMABLE]) == 0
     assert calls[0] == KILLED_AFTER + 1
-    # ... to exactly the bytes of an uninterrupted run
-    assert folder(out) == folder(whole)
+    # ... to exactly the bytes of an uninterrupted run, moved into place
+    assert folder(out) == folder(whole) and not partial.exists()
     # run again, it is already prepared: nothing is redone or changed
     calls.clear()
     assert main(["data", "prepare", str(text_dir), "--out", str(out), *RESUMABLE]) == 0

@@ -116,17 +116,19 @@ def test_fixed_point_term_function_rounds_and_masks():
 
 
 def test_decay_carry_is_recorded_as_training_left_it(tmp_path):
-    """report.json's depth_safety.carry: the carries of the saved weights (not the start), and the card says them."""
+    """report.json's depth_safety.carry: the carries of the saved weights (not the start, which is the recipe's
+    and stays in report.json's recipe), and the card says them."""
     rec = tiny_recipe(**{"model.injection": "decay", "model.injection_decay_init": 0.6, "optim.lr": 0.05,
                          "train.steps": 4})
     train(rec, tmp_path / "run", quiet=True)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     a = looplm.load_run(tmp_path / "run").model.carry()
     carry = report["depth_safety"]["carry"]
-    assert carry["start"] == 0.6 and not torch.allclose(a, torch.full_like(a, 0.6))      # training moved them
+    assert set(carry) == {"min", "mean", "max"} and not torch.allclose(a, torch.full_like(a, 0.6))   # training moved them
     assert carry["min"] == pytest.approx(a.min().item()) and carry["max"] == pytest.approx(a.max().item())
     assert carry["mean"] == pytest.approx(a.mean().item())
-    assert f"mean {carry['mean']:.3f}" in (tmp_path / "run" / "report.md").read_text()
+    card = (tmp_path / "run" / "report.md").read_text()
+    assert f"mean {carry['mean']:.3f}" in card and "the recipe started it at 0.6" in card
     plain = tiny_recipe(**{"model.injection": "add", "train.steps": 1})
     train(plain, tmp_path / "add", quiet=True)
     assert "carry" not in json.loads((tmp_path / "add" / "report.json").read_text())["depth_safety"]
@@ -144,15 +146,64 @@ def test_fixed_point_reaches_the_final_round_and_is_recorded(tmp_path):
                          "depth.min": 1, "depth.max": 3, "depth.rounds": 2, "train.steps": 8,
                          "train.log_every": 1, "supervision.fixed_point": LAMBDA}), run, quiet=True)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    ran = [r["rounds"][0] for r in rows]
+    recipe = looplm.load_run(run).recipe
+    ran = [sample_depth(recipe.depth, recipe.train.seed, step) for step in range(recipe.train.steps)]   # the draws
     assert 1 in ran and max(ran) >= 2                                  # both kinds of step happened
     rep = json.loads((run / "report.json").read_text())
     fp = rep["depth_safety"]["fixed_point"]
+    assert set(fp) == {"micro_batches", "mean_term"}                   # measured; the weight is the recipe's
     assert fp["micro_batches"] == sum(r >= 2 for r in ran)
+    # the per-step term the mean is over is the one the loss carried (the test above: against a hand loop)
     assert fp["mean_term"] == pytest.approx(sum(r["fixed_point_term"] for r in rows if "fixed_point_term" in r)
                                             / fp["micro_batches"], rel=1e-6)
     assert "fixed_point_term" not in next(r for r in rows if r["rounds"][0] == 1)
     assert "fixed-point term" in (run / "report.md").read_text()
+
+
+def _hand_profile(run, rounds):
+    """{round: (state RMS, relative change)} of the saved model's loop states over the run's held-out batches,
+    unrolled by hand (loop_inputs' e, core_step per round) in float64 sums, the random initial state drawn here
+    as N(0, init_state_std^2) from a CPU generator seeded with the target tokens of the batches before."""
+    from looplm.evaluation.rounds import eval_batches_for
+    model = run.model.eval()
+    top = max(rounds)
+    sq = {r: [0.0, 0.0, 0.0] for r in rounds}            # sum s_r^2, sum (s_r - s_(r-1))^2, sum s_(r-1)^2
+    count = elements = 0
+    with torch.no_grad():
+        for x, y in eval_batches_for(run):
+            rope, e, _ = model.loop_inputs(x)
+            s = torch.randn(e.shape, generator=torch.Generator().manual_seed(count)) * model.cfg.init_state_std
+            for r in range(1, top + 1):
+                prev, s = s, model.core_step(s, e, r, rope)
+                if r in sq:
+                    sq[r][0] += s.double().pow(2).sum().item()
+                    sq[r][1] += (s.double() - prev.double()).pow(2).sum().item()
+                    sq[r][2] += prev.double().pow(2).sum().item()
+            count += y.numel()
+            elements += e.numel()
+    return {r: (math.sqrt(a / elements), math.sqrt(b / c)) for r, (a, b, c) in sq.items()}
+
+
+def test_depth_safety_state_profile_is_what_the_final_weights_do_not_the_recipe(tmp_path):
+    """report.json's depth_safety says what happened to the loop state, measured: its RMS and relative change per
+    round on the held-out batches, equal to a hand-unrolled loop of the saved weights. With a state norm the
+    recipe would say "RMS 1"; training moved the norm's weight, and the record says the RMS it produces."""
+    rec = tiny_recipe(**{"model.state_norm": True, "optim.lr": 0.05, "train.steps": 4})
+    assert rec.model.init_state == "random"                          # the initial noise is part of what is measured
+    train(rec, tmp_path / "run", quiet=True)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    safety = report["depth_safety"]
+    assert not {"state_norm", "depth_kind"} & set(safety)           # settings live in report["recipe"] only
+    R = rec.depth.rounds
+    rounds = sorted(set(range(1, 2 * R + 1)) | {1, 2, 4, 8})        # every depth read out: 1..2R and 1, 2, 4, 8
+    assert list(safety["state_rms_by_rounds"]) == [str(r) for r in rounds]
+    hand = _hand_profile(looplm.load_run(tmp_path / "run"), rounds)
+    for r in rounds:
+        assert safety["state_rms_by_rounds"][str(r)] == pytest.approx(hand[r][0], rel=1e-5), r
+        assert safety["state_change_by_rounds"][str(r)] == pytest.approx(hand[r][1], rel=1e-4), r
+    assert abs(safety["state_rms_by_rounds"][str(R)] - 1.0) > 1e-3    # not the norm's nominal scale: measured
+    card = (tmp_path / "run" / "report.md").read_text()
+    assert f"{R}: {safety['state_rms_by_rounds'][str(R)]:.4g}" in card
 
 
 def test_geometric_depth_follows_the_capped_geometric_law():

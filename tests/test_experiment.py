@@ -119,7 +119,7 @@ def test_quick_experiment_writes_report_and_runs(quick_run, rescored):
 def test_existing_out_and_missing_task_exit_2(quick_run, tmp_path, capsys):
     _, _, out = quick_run
     assert main(["experiment", "extrapolate", "--quick", "--out", str(out)]) == 2
-    assert "already holds" in capsys.readouterr().err
+    assert "not empty" in capsys.readouterr().err          # refused before any training
     assert main(["experiment", "extrapolate", "--quick", "--out", str(tmp_path / "y"), "--set", "data.task="]) == 2
     assert "data.task" in capsys.readouterr().err
 

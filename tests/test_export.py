@@ -279,7 +279,7 @@ def test_refused_fields_exit_2_with_one_line(exported, monkeypatch, capsys, tmp_
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     assert main(["export", str(run), "--hf", str(tmp_path / "busy")]) == 2
-    assert "not an empty folder" in capsys.readouterr().err
+    assert "not empty (holds notes.txt) and not an earlier looplm export" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["notes.txt"]
 
 

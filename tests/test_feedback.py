@@ -197,8 +197,87 @@ def test_pass_mixture_is_drawn_per_micro_batch_from_seed_and_step():
     assert 0.35 < prefixed < 0.65
 
 
-def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_mode(tmp_path, text_dir, capsys,
-                                                                                    monkeypatch):
+@pytest.fixture(scope="module")
+def feedback_lm_run(tmp_path_factory):
+    """A language-model run with gate feedback, 8 steps (a pass mixture from step 2; lr 0.01, so the fusion has
+    moved: two passes score 0.02 nats from one) and a random initial loop state (the quickstart's), so the
+    initial-state noise convention is part of what its records say."""
+    import looplm.runs.report
+    from conftest import tiny_recipe, write_corpus
+    from looplm.train.trainer import train
+    root = tmp_path_factory.mktemp("feedback-lm")
+    recipe = tiny_recipe(**{"data.path": str(write_corpus(root / "corpus")), "train.steps": 8, "optim.lr": 0.01,
+                            "feedback.mode": "gate", "feedback.passes": [0.5, 0.3, 0.2], "feedback.mix_from_step": 2})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(looplm.runs.report, "write_plots", lambda run_dir, report: [])     # seconds of matplotlib
+        torch.manual_seed(0)            # the weights' initialisation: the same run whichever test builds it
+        train(recipe, root / "run", quiet=True)
+    return root / "run"
+
+
+@torch.no_grad()
+def hand_loss_by_passes(run, passes: int, rounds: int) -> dict[str, float]:
+    """Held-out loss after 1..passes feedback passes, written out in float64 through the model's pieces
+    (loop_inputs with the fused input, core_step per round, readout's top state), on the run's held-out
+    batches: the initial state drawn here as N(0, std^2) from a CPU generator seeded with the target tokens
+    of the batches before (eval --rounds' noise), shared by every pass; pass k reads pass k-1's top states
+    shifted by one position; the first position and (reset_at_eos) each token after an end-of-text token
+    read their plain embedding."""
+    import copy
+
+    import torch.nn.functional as F
+    from looplm.evaluation.rounds import eval_batches_for
+    model = copy.deepcopy(run.model).double().eval()
+    eos, reset = run.tokenizer.eos_id, run.recipe.feedback.reset_at_eos
+    totals, count = [0.0] * passes, 0
+    for x, y in eval_batches_for(run):
+        B, T = x.shape
+        s0 = (torch.randn(B, T, model.cfg.d_model, generator=torch.Generator().manual_seed(count))
+              * model.cfg.init_state_std).double()
+        plain = torch.zeros(B, T, dtype=torch.bool)
+        plain[:, 0] = True
+        if reset and eos is not None:
+            plain[:, 1:] |= x[:, :-1] == eos
+        fed = None
+        for k in range(passes):
+            rope, e, _ = model.loop_inputs(x, initial_state=s0, feedback=fed)
+            s = s0
+            for r in range(1, rounds + 1):
+                s = model.core_step(s, e, r, rope)
+            tops: dict = {}
+            logits = model.readout(s, rope, r=rounds, tops=tops)
+            totals[k] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            top = tops[rounds]
+            fed = (torch.cat([torch.zeros_like(top[:, :1]), top[:, :-1]], 1), plain)
+        count += y.numel()
+    return {str(k + 1): totals[k] / count for k in range(passes)}
+
+
+def test_loss_by_passes_equals_a_hand_k_pass_loop_and_pass_1_is_eval_rounds(feedback_lm_run, capsys):
+    """The report's feedback_val_loss_by_passes and eval --feedback-passes against the float64 hand loop, and
+    pass 1 against `eval --rounds` at the same depth: the same number exactly (the same initial-state noise)."""
+    import json
+
+    from looplm.cli import main
+    run = looplm.load_run(feedback_lm_run)
+    R = run.recipe.depth.rounds
+    assert run.recipe.model.init_state == "random"
+    hand = hand_loss_by_passes(run, 5, R)
+    assert abs(hand["2"] - hand["1"]) > 1e-2                         # feedback changes the loss: passes differ
+    report = json.loads((feedback_lm_run / "report.json").read_text())
+    for k, v in report["feedback_val_loss_by_passes"].items():
+        assert v == pytest.approx(hand[k], rel=1e-5, abs=0), k
+    assert main(["eval", str(feedback_lm_run), "--rounds", f"1,{R}", "--feedback-passes", "1,2,5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert list(got["feedback_loss_by_passes"]) == ["1", "2", "5"]
+    for k, v in got["feedback_loss_by_passes"].items():
+        assert v == pytest.approx(hand[k], rel=1e-5, abs=0), k
+    assert got["feedback_loss_by_passes"]["1"] == got["rounds"][str(R)]["loss"]       # one noise convention
+    assert report["feedback_val_loss_by_passes"]["1"] == report["val_loss_extrapolation"][str(R)]   # every depth 1..2R
+
+
+def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_mode(feedback_lm_run, tmp_path,
+                                                                                    capsys, monkeypatch):
     """End to end: the pass mixture trains; the report's pass record equals a replay of the draws
     (looplm check); eval reports loss by passes; generate decodes in all three prompt modes, the plain
     --no-cache reference refuses it; export refuses it by name."""
@@ -210,26 +289,23 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     from looplm.cli import main
     from looplm.train.trainer import train
     monkeypatch.setattr(looplm.runs.report, "write_plots", lambda run_dir, report: [])   # seconds of matplotlib
-    recipe = tiny_recipe(**{"data.path": str(text_dir), "train.steps": 8, "feedback.mode": "gate",
-                            "feedback.passes": [0.5, 0.3, 0.2], "feedback.mix_from_step": 2})
-    report = train(recipe, tmp_path / "run", quiet=True)
+    run_dir = feedback_lm_run
+    recipe = looplm.load_run(run_dir).recipe
+    report = json.loads((run_dir / "report.json").read_text())
     fb = report["feedback"]
     assert fb["extra_parameters"] == 2 * recipe.model.d_model ** 2
     assert sum(fb["passes_histogram"].values()) == 8 and fb["passes_histogram"].get("1", 0) >= 2
     assert set(report["feedback_val_loss_by_passes"]) == {"1", "2", "3"}
-    assert "## Full-bandwidth feedback" in (tmp_path / "run" / "report.md").read_text()
-    run = looplm.load_run(tmp_path / "run")
+    assert "## Full-bandwidth feedback" in (run_dir / "report.md").read_text()
+    run = looplm.load_run(run_dir)
     assert check_token_accounting(run).passed
     from looplm.checks import (check_feedback_isolation, check_feedback_loss, check_feedback_shift,
                                check_feedback_start)
     for check in (check_feedback_shift, check_feedback_start, check_feedback_loss, check_feedback_isolation):
         assert check(run).passed, check(run).detail
-    assert main(["eval", str(tmp_path / "run"), "--json"]) == 0
+    assert main(["eval", str(run_dir), "--json"]) == 0
     assert set(json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]) == {"1", "2", "3"}
-    assert main(["eval", str(tmp_path / "run"), "--feedback-passes", "1,2,5", "--json"]) == 0   # depth stability
-    by = json.loads(capsys.readouterr().out)["feedback_loss_by_passes"]
-    assert set(by) == {"1", "2", "5"} and by["1"] == pytest.approx(report["feedback_val_loss_by_passes"]["1"])
-    assert main(["eval", str(tmp_path / "run"), "--cache-sweep"]) == 2          # would measure plain decoding
+    assert main(["eval", str(run_dir), "--cache-sweep"]) == 2          # would measure plain decoding
     assert "full-bandwidth feedback" in capsys.readouterr().err
     task_run = tmp_path / "task"                                                 # --feedback-passes is not ignored
     train(tiny_recipe(**{"data.task": "completion", "train.steps": 2, "feedback.mode": "gate", "model.context": 128}),
@@ -237,7 +313,7 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
     assert main(["eval", str(task_run), "--feedback-passes", "1,2"]) == 2
     assert "task run" in capsys.readouterr().err
     assert "held-out loss by passes" not in (task_run / "report.md").read_text()
-    assert main(["eval", str(tmp_path / "run"), "--cache-sweep"]) == 2
+    assert main(["eval", str(run_dir), "--cache-sweep"]) == 2
     assert "full-bandwidth feedback" in capsys.readouterr().err
     # lm-eval's model scores with the prompt mode asked: fused = the second pass's logits over the whole text
     import torch.nn.functional as F
@@ -253,16 +329,16 @@ def test_a_feedback_run_trains_reports_its_passes_and_generates_in_every_prompt_
         want = {m: F.log_softmax(o.logits[0, :-1].float(), -1)[torch.arange(len(text) - 1), x[0, 1:]][-cont:].sum().item()
                 for m, o in zip(("standard", "fused"), outs)}
     for mode in ("standard", "fused"):
-        assert LoopLM(run=str(tmp_path / "run"), prompt_mode=mode).loglikelihood(req)[0][0] == \
+        assert LoopLM(run=str(run_dir), prompt_mode=mode).loglikelihood(req)[0][0] == \
             pytest.approx(want[mode], abs=1e-3)
     assert want["standard"] != pytest.approx(want["fused"], abs=1e-3)
     for mode in ("standard", "soft", "fused"):
-        assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "6",
+        assert main(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "6",
                      "--prompt-mode", mode, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["prompt_mode"] == mode
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "6", "--no-cache"]) == 2
+    assert main(["generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "6", "--no-cache"]) == 2
     assert "no full-bandwidth feedback" in capsys.readouterr().err
-    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 2
+    assert main(["export", str(run_dir), "--hf", str(tmp_path / "hf")]) == 2
     assert "feedback.mode" in capsys.readouterr().err
 
 
@@ -357,7 +433,6 @@ def test_two_concurrent_server_requests_with_different_prompt_modes_each_equal_t
 def test_the_feedback_checks_fail_on_a_broken_implementation(monkeypatch):
     """Each check against its bug: no shift (token t reads its own state), a start convention that fuses
     everywhere, a trainer that drops the later passes' loss, a carried state shared between rows."""
-    import types
 
     import looplm.inference.batch as batch_mod
     import looplm.model.feedback as fbm

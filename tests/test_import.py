@@ -336,8 +336,9 @@ def test_recirculation_on_an_imported_llama_equals_hf_with_hooks(hf_models, tmp_
 
 
 def test_recirculate_calibrates_evaluates_and_generates_on_an_imported_llama(hf_models, tmp_path, capsys):
-    """`looplm recirculate` on an imported run, whose text comes with --data: the calibration's cell equals
-    --s/--d's evaluation of the same setting, and generate --recirculate equals the Engine so configured."""
+    """`looplm recirculate` on an imported run, whose text comes with --data: the calibration's selection cell
+    equals --s/--d's evaluation of the same setting on the selection window, its confirmation equals that
+    evaluation on the other windows, and generate --recirculate equals the Engine so configured."""
     from looplm.inference import Engine, SamplingParams
     from looplm.inference.recirculation import Recirculation
     _, folder = hf_models["llama"]
@@ -350,17 +351,23 @@ def test_recirculate_calibrates_evaluates_and_generates_on_an_imported_llama(hf_
     assert main(["recirculate", str(run_dir), "--calibrate", "--pairs", "3:1", "--alphas", "0.3", "--json",
                  "--out", str(tmp_path / "cal"), *held]) == 0
     table = json.loads(capsys.readouterr().out)
-    cell = table["best"]
-    assert table["loss"] == cell["loss"] and table["base_loss"] == table["base"]["loss"]      # the CONTRACT's keys
+    cell, conf = table["selection"]["best"], table["confirmation"]
+    assert table["selection"]["windows"] == [0, 1] and conf["windows"] == [1, 3]           # 3 windows of 32
+    assert table["loss"] == conf["best"]["loss"] and table["base_loss"] == conf["base"]["loss"]   # the CONTRACT's keys
     assert (tmp_path / "cal" / "recirculation_calibration.png").exists()
-    assert main(["recirculate", str(run_dir), "--s", "3", "--d", "1", "--alpha", "0.3", *held,
-                 "--prompt", "the loop", "--max-new-tokens", "5"]) == 0
+    from looplm.evaluation.recirculation import evaluate, heldout_windows
+    run = looplm.load_run(run_dir)
+    rest = heldout_windows(run, 96, 32, str(text))[0]
+    other = evaluate(run, Recirculation(source=3, dest=1, alpha=0.3), [(rest[0][1:], rest[1][1:])])
+    assert other["recirculated"]["loss"] == pytest.approx(conf["best"]["loss"], abs=1e-6)
+    assert other["base"]["loss"] == pytest.approx(conf["base"]["loss"], abs=1e-6)
+    assert main(["recirculate", str(run_dir), "--s", "3", "--d", "1", "--alpha", "0.3", "--tokens", "32",
+                 *held[2:], "--prompt", "the loop", "--max-new-tokens", "5"]) == 0       # the selection's one window
     one = json.loads(capsys.readouterr().out)
     assert one["recirculated"]["loss"] == pytest.approx(cell["loss"], abs=1e-6) and cell["change_pct"] != 0
     assert one["loss"] == one["recirculated"]["loss"] and one["base_loss"] == one["base"]["loss"]
     assert main(["generate", str(run_dir), "--prompt", "the loop", "--max-new-tokens", "5", "--json",
                  "--recirculate", "3:1:0.3"]) == 0
-    run = looplm.load_run(run_dir)
     want = Engine.from_run(run, exit="fixed", recirculation=Recirculation(source=3, dest=1, alpha=0.3)).generate(
         ["the loop"], SamplingParams(max_new_tokens=5))[0]
     assert json.loads(capsys.readouterr().out)["tokens"] == want.tokens

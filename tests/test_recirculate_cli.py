@@ -47,15 +47,15 @@ def test_visits_lists_prelude_every_rounds_core_and_coda(run_dir, capsys, tmp_pa
     assert code == 0 and json.loads(out)["untied"] and len(json.loads(out)["visits"]) == 8
 
 
-def by_hand(run, rc, tokens, width):
-    """(base loss, recirculated loss) over the first tokens // width validation windows, each window alone:
-    the base by `model(x)` (eval mode: the seed-0 initial-state table), the recirculated one through an
-    Engine prefill of that window with every position's logits."""
-    val = torch.from_numpy(open_tokens(run.path / "data" / "val.bin")[:tokens + 1].astype("int64"))
+def by_hand(run, rc, tokens, width, start=0):
+    """(base loss, recirculated loss) over tokens // width validation windows from window `start` on, each window
+    alone, read straight from val.bin by offset: the base by `model(x)` (eval mode: the seed-0 initial-state
+    table), the recirculated one through an Engine prefill of that window with every position's logits."""
+    val = torch.from_numpy(open_tokens(run.path / "data" / "val.bin")[:(start * width) + tokens + 1].astype("int64"))
     eng = Engine(run.model, None, GenerationConfig(recirculation=rc))
     base = rec = 0.0
     with torch.inference_mode():
-        for i in range(tokens // width):
+        for i in range(start, start + tokens // width):
             x, y = val[i * width:(i + 1) * width][None], val[i * width + 1:(i + 1) * width + 1]
             base += F.cross_entropy(run.model(x).logits[0], y, reduction="sum").item()
             noise = eng.initial_noise([SamplingParams()], next(run.model.parameters()))
@@ -64,27 +64,80 @@ def by_hand(run, rc, tokens, width):
     return base / tokens, rec / tokens
 
 
-def test_calibrate_writes_a_heatmap_table_and_json_that_a_recomputation_agrees_with(run_dir, capsys, tmp_path):
+def test_calibrate_picks_on_one_split_and_confirms_on_another_that_a_recomputation_agrees_with(run_dir, capsys,
+                                                                                              tmp_path):
+    """256 tokens = 8 windows of 32: the sweep picks on windows 0..3, the best setting is confirmed on windows
+    4..7. Both splits' numbers recomputed by hand from val.bin at their own offsets (the reference schedule,
+    serial; the sweep runs resume), so a confirmation scored on the selection's text (or any other) fails."""
     code, out, err = cli(capsys, "recirculate", run_dir, "--calibrate", "--tokens", 256, "--pairs", "3:1,7:2",
                          "--alphas", "0.3", "--out", tmp_path / "cal", "--json")
     assert code == 0, err
     table = json.loads(out)
-    assert table["tokens"] == 256 and table["window"] == 32 and len(table["cells"]) == 2
+    sel, conf = table["selection"], table["confirmation"]
+    assert table["window"] == 32 and len(sel["cells"]) == 2
+    assert sel["windows"] == [0, 4] and conf["windows"] == [4, 8] and sel["tokens"] == conf["tokens"] == 128
     png, md = (tmp_path / "cal" / "recirculation_calibration.png"), (tmp_path / "cal" / "recirculation_calibration.md")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((tmp_path / "cal" / "recirculation_calibration.json").read_text())["cells"] == table["cells"]
-    cell = next(c for c in table["cells"] if (c["s"], c["d"]) == (7, 2))
-    base, rec = by_hand(looplm.load_run(run_dir), Recirculation(source=7, dest=2, alpha=0.3, schedule="serial"),
-                        256, 32)       # the reference schedule; the sweep runs resume
-    assert abs(table["base"]["loss"] - base) < 1e-5 and abs(cell["loss"] - rec) < 1e-5 and abs(rec - base) > 1e-4
+    assert json.loads((tmp_path / "cal" / "recirculation_calibration.json").read_text())["confirmation"] == conf
+    run = looplm.load_run(run_dir)
+    cell = next(c for c in sel["cells"] if (c["s"], c["d"]) == (7, 2))
+    base, rec = by_hand(run, Recirculation(source=7, dest=2, alpha=0.3, schedule="serial"), 128, 32)
+    assert abs(sel["base"]["loss"] - base) < 1e-5 and abs(cell["loss"] - rec) < 1e-5 and abs(rec - base) > 1e-4
     want = (math.exp(base) - math.exp(rec)) / math.exp(base) * 100          # positive = better
     assert abs(cell["change_pct"] - want) < 1e-3
+    best = sel["best"]
+    assert best["change_pct"] == max(c["change_pct"] for c in sel["cells"])
+    # the confirmation: the best setting, scored by hand on the other four windows
+    cbase, crec = by_hand(run, Recirculation(source=best["s"], dest=best["d"], alpha=best["alpha"], schedule="serial"),
+                          128, 32, start=4)
+    assert (conf["best"]["s"], conf["best"]["d"], conf["best"]["alpha"]) == (best["s"], best["d"], best["alpha"])
+    assert abs(conf["base"]["loss"] - cbase) < 1e-5 and abs(conf["best"]["loss"] - crec) < 1e-5
+    cwant = (math.exp(cbase) - math.exp(crec)) / math.exp(cbase) * 100
+    assert abs(conf["best"]["change_pct"] - cwant) < 1e-3
+    assert abs(cbase - sel["base"]["loss"]) > 1e-3                      # different text: the splits are not one
+    assert table["loss"] == pytest.approx(crec, abs=1e-5) and table["base_loss"] == pytest.approx(cbase, abs=1e-5)
     text = md.read_text()
-    assert "negative = worse" in text and "256 held-out tokens" in text and f"| 7 -> 2 | {want:+.3f} |" in text
-    assert table["best"]["change_pct"] == max(c["change_pct"] for c in table["cells"])
+    assert "negative = worse" in text and "selection** split (windows 0..3, 128 tokens)" in text
+    assert f"| 7 -> 2 | {want:+.3f} |" in text and f"**{cwant:+.3f}%**" in text
     gap = table["blockwise_gap_at_best"]
     assert gap["gap"] == pytest.approx(gap["blockwise"]["loss"] - gap["exact"]["loss"], abs=1e-9)
-    assert gap["scored_tokens"] == 128 and "blockwise" in text
+    assert gap["scored_tokens"] == 64 and "blockwise" in text       # columns 16..31 of the 4 confirmation windows
+    # its base and exact losses by hand on those columns: the base by model(x), the exact schedule by the mixer
+    # trainer's eager serial schedule (train/mixer.py, its own implementation), whole windows: an exact
+    # schedule's prompt chunk runs column by column, so the split into prompt and decoded columns changes nothing
+    from looplm.train.mixer import recirculated_logits
+    rc = Recirculation(source=best["s"], dest=best["d"], alpha=best["alpha"], schedule="serial")
+    assert abs(gap["base"]["loss"] - _loss_on_columns(run, lambda x: run.model(x).logits, 4, 8, 32, 16)) < 1e-5
+    exact = _loss_on_columns(run, lambda x: recirculated_logits(run.model, rc, x), 4, 8, 32, 16)
+    assert abs(gap["exact"]["loss"] - exact) < 1e-5 and abs(exact - gap["base"]["loss"]) > 1e-5
+
+
+def _loss_on_columns(run, logits_of, first, stop, width, p):
+    """Mean loss of logits_of(x) (1, width, V) on columns p..width-1 of validation windows first..stop-1."""
+    val = torch.from_numpy(open_tokens(run.path / "data" / "val.bin")[:stop * width + 1].astype("int64"))
+    total = n = 0
+    with torch.no_grad():
+        for i in range(first, stop):
+            x, y = val[i * width:(i + 1) * width][None], val[i * width + 1:(i + 1) * width + 1]
+            total += F.cross_entropy(logits_of(x)[0, p:].float(), y[p:], reduction="sum").item()
+            n += width - p
+    return total / n
+
+
+def test_split_windows_is_two_disjoint_halves_in_order(run_dir):
+    """Every held-out window is in exactly one split, the selection the first half in order; one window cannot
+    be split and is refused by name."""
+    from looplm.errors import UserError
+    from looplm.evaluation.recirculation import heldout_windows, split_windows
+    run = looplm.load_run(run_dir)
+    windows = heldout_windows(run, 7 * 16, 16)                          # 7 windows: 3 select, 4 confirm
+    pick, confirm, n = split_windows(windows)
+    rows = torch.cat([x for x, _ in windows])
+    assert n == 7 and torch.equal(torch.cat([x for x, _ in pick]), rows[:3])
+    assert torch.equal(torch.cat([x for x, _ in confirm]), rows[3:])
+    assert torch.equal(torch.cat([y for _, y in confirm]), torch.cat([y for _, y in windows])[3:])
+    with pytest.raises(UserError, match="at least two held-out windows"):
+        split_windows(heldout_windows(run, 16, 16))
 
 
 def test_alpha_zero_changes_nothing_and_blockwise_reports_its_gap(run_dir, capsys):

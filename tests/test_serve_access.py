@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -27,6 +24,8 @@ import looplm
 from looplm.data.tokenizer import ByteTokenizer
 from looplm.inference.engine import Engine
 from looplm.serve import ServeLimits, create_app, exposure_warning, is_loopback
+
+from conftest import uvicorn_in_thread
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
         "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
@@ -256,25 +255,9 @@ def test_with_a_key_the_docs_and_schema_are_closed(engine, asgi):
 @pytest.fixture(scope="module")
 def real_server(engine):
     """uvicorn serving the app (key KEY, 4 KiB bodies) in a thread on a free port of 127.0.0.1."""
-    import uvicorn
-
     app = create_app(engine, model_name="tiny", limits=ServeLimits(max_body_bytes=4096), api_key=KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start within 30 s")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
+    with uvicorn_in_thread(app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_the_openai_client_works_with_the_key(real_server):

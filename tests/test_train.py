@@ -188,3 +188,19 @@ def test_eval_on_a_task_run_reports_accuracy(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "run"), "--exit", "fixed:1"]) == 0   # accuracy vs rounds used
     assert "exit fixed:1 (budget 1)" in capsys.readouterr().out
     assert main(["eval", str(tmp_path / "run"), "--exit-sweep", "nonsense"]) == 2
+
+
+def test_a_validation_split_too_short_for_a_window_is_refused_before_training(tmp_path, capsys):
+    """40 one-line documents: the training split holds many windows of 32, the validation split none; the
+    run is refused before its first step (no folder left), not after training at the report."""
+    from looplm.cli import main
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"d{i}.txt").write_text("w%02d abc\n" % i)
+    code = main(["train", "--out", str(tmp_path / "r"), "--set", f"data.path={corpus}", "--set", "train.steps=2",
+                 "--set", "model.d_model=32", "--set", "model.n_heads=4", "--set", "data.seq_len=32",
+                 "--set", "data.val_fraction=0.1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "validation split holds" in err and "data.seq_len 32" in err
+    assert not any(tmp_path.glob("r*"))

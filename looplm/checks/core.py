@@ -488,15 +488,14 @@ def check_engine_request_reset(run: Run) -> CheckResult:
 def check_round_telemetry(run: Run) -> CheckResult:
     """metrics.jsonl carries per-round telemetry at every logged step: state and update RMS for each
     round run, finite; gradient RMS finite inside the backward window and null exactly before it."""
-    import json
     import math
     name = "round_telemetry_present"
     if _imported(run):
         return CheckResult.not_applicable(name, IMPORTED)
-    path = run.path / "metrics.jsonl"
-    if not path.is_file():
+    from ..runs.checkpoint import read_metrics
+    if not (run.path / "metrics.jsonl").is_file():
         return CheckResult(name, False, "the run has no metrics.jsonl", RECORD)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(run.path)
     bad = []
     for r in rows:
         R = r.get("rounds", [None])[-1]

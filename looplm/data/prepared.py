@@ -17,12 +17,18 @@ Sources: whatever data.path accepts (sources.py: text, JSONL, parquet, a saved d
 streamed: never held whole in memory. Preparing makes these passes over the source: the names
 (deciding the split), the training text (for a BPE), the training documents, the held-out ones.
 
-Resuming: `prepare.journal.json` records each finished step (the split, the tokenizer, every
-shard), rewritten atomically. A killed `looplm data prepare` rerun with the same command continues
-after the last finished shard (the held-out split, one file, is redone whole), and the folder ends
-byte-identical to an uninterrupted run's: shards hold a fixed number of tokens, so where each one
-starts is a function of the settings alone. Other settings (another source, changed source files,
-tokenizer, text field, size, split or shard size: their hash) into the same --out are refused.
+The folder is built in OUT.partial and moved into place as OUT when whole (outdir.Staging): OUT is
+a finished prepared folder or absent. --out must be absent, an empty folder or an earlier prepared
+folder (of the same settings: returned as it is); anything else is refused, never written into.
+
+Resuming: `prepare.journal.json` in OUT.partial records each finished step (the split, the
+tokenizer, every shard), rewritten atomically. A killed or interrupted (Ctrl-C) `looplm data
+prepare` rerun with the same command continues after the last finished shard (the held-out split,
+one file, is redone whole), and the folder ends byte-identical to an uninterrupted run's: shards
+hold a fixed number of tokens, so where each one starts is a function of the settings alone. Other
+settings (another source, changed source files, tokenizer, text field, size, split or shard size:
+their hash) into the same --out are refused. A prepare that fails otherwise (bad input) removes
+OUT.partial.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
+from ..files import read_json_object
+from ..outdir import Staging, refuse_foreign
 from . import text as data_mod
 from .sources import DEFAULT_TEXT_FIELD, PREPARE_JOURNAL, Document, Source, open_source
 from .text import DocumentSplit, EncodeProgress
@@ -132,21 +140,20 @@ def split_source(source: Source, max_bytes: int, val_fraction: float, progress: 
 # ----------------------------------------------------------------------------- preparing
 
 class Journal:
-    """prepare.journal.json in --out: the settings (and their hash) and every finished step. Opening
-    one written with other settings is refused; `record` is called after each shard."""
+    """prepare.journal.json in the staging folder: the settings (and their hash) and every finished step.
+    Opening one written with other settings is refused (naming --out); `record` is called after each shard."""
 
-    def __init__(self, out: Path, settings: dict[str, Any], digest: str,
+    def __init__(self, folder: Path, out: Path, settings: dict[str, Any], digest: str,
                  on_shard: Callable[[str, int], None] | None = None) -> None:
-        self.path, self.on_shard = out / JOURNAL, on_shard
+        self.path, self.on_shard = folder / JOURNAL, on_shard
         self.state: dict[str, Any] = {"format": f"{FORMAT}-journal", "settings_hash": digest, "settings": settings}
         if self.path.is_file():
             try:
-                old = json.loads(self.path.read_text(encoding="utf-8"))
-                assert isinstance(old, dict)
-            except (OSError, ValueError, AssertionError):
-                raise UserError(f"{self.path}: unreadable; delete {out} to prepare it again") from None
+                old = read_json_object(self.path, "a looplm prepare journal")
+            except UserError as err:
+                raise UserError(f"{err}; delete {folder} to prepare {out} again") from None
             if old.get("settings_hash") != digest:
-                raise _other_settings(out, old.get("settings"), settings)
+                raise _other_settings(out, old.get("settings"), settings, unfinished=folder)
             self.state = old
 
     def split(self) -> DocumentSplit | None:
@@ -196,21 +203,36 @@ def prepare(source: str | Path, out: str | Path, recipe, shard_tokens: int | Non
         if done.get("settings_hash") != digest:
             raise _other_settings(out, done.get("settings"), settings)
         return {k: v for k, v in done.items() if not k.startswith("_")}
-    journal = Journal(out, settings, digest, on_shard)
+    refuse_foreign(out, "--out", own_kind="a finished `looplm data prepare` folder")
+    # built in OUT.partial, moved into place when whole; a killed or interrupted prepare leaves its journal
+    # there, and the same command continues from it
+    with Staging(out, "--out", resume=True) as stage:
+        manifest = _prepare_into(stage, src, settings, digest, recipe, shard_tokens, progress, on_shard)
+        stage.commit()
+    return manifest
+
+
+def _prepare_into(stage: Staging, src: Source, settings: dict[str, Any], digest: str, recipe,
+                  shard_tokens: int, progress: bool | None,
+                  on_shard: Callable[[str, int], None] | None) -> dict[str, Any]:
+    """`prepare`'s passes into the staging folder, continuing what its journal records; the manifest."""
+    d, work = recipe.data, stage.dir
+    journal = Journal(work, stage.out, settings, digest, on_shard)
     split = journal.split()
     if split is None:
         split = split_source(src, d.max_bytes, d.val_fraction, progress)
-        out.mkdir(parents=True, exist_ok=True)
         journal.update(split=asdict(split))
-    for stale in out.glob("*.tmp"):          # what a killed run was writing
+    stage.keep_interrupted = True        # from here on an interrupted prepare has work to continue
+    for stale in work.glob("*.tmp"):          # what a killed run was writing
         stale.unlink(missing_ok=True)
 
     def docs(side: str) -> Callable[[], Iterable[Document]]:
         return lambda: split.select(src.documents(d.max_bytes), side)
 
     tok, train_tokens, val_tokens = tokenize_splits(d.tokenizer, recipe.model.vocab_size, docs("train"), docs("val"),
-                                                    out, out, shard_tokens, journal, progress, (split.train, split.val))
-    sidecars = {s: json.loads((out / f"{s}.json").read_text(encoding="utf-8")) for s in ("train", "val")}
+                                                    work, work, shard_tokens, journal, progress,
+                                                    (split.train, split.val))
+    sidecars = {s: read_json_object(work / f"{s}.json", "a token sidecar") for s in ("train", "val")}
     manifest = {
         "format": FORMAT, "version": VERSION,
         "source": settings["source"], "source_kind": src.kind, "text_field": settings["text_field"],
@@ -223,7 +245,7 @@ def prepare(source: str | Path, out: str | Path, recipe, shard_tokens: int | Non
         "shards": {"train": sidecars["train"]["shards"], "val": [{"file": "val.bin", "tokens": int(len(val_tokens))}]},
         "settings_hash": digest, "settings": settings,
     }
-    _write_json(out / MANIFEST, manifest)
+    _write_json(work / MANIFEST, manifest)
     journal.path.unlink(missing_ok=True)
     return manifest
 
@@ -240,13 +262,16 @@ def _settings(src: Source, recipe, shard_tokens: int) -> dict[str, Any]:
             "max_bytes": d.max_bytes, "val_fraction": d.val_fraction, "shard_tokens": shard_tokens}
 
 
-def _other_settings(out: Path, theirs: Any, ours: dict[str, Any]) -> UserError:
+def _other_settings(out: Path, theirs: Any, ours: dict[str, Any], unfinished: Path | None = None) -> UserError:
+    """The refusal of --out prepared (or, unfinished: being prepared in that staging folder) otherwise."""
+    held = f"an unfinished prepare in {unfinished}" if unfinished else "data prepared"
+    gone = unfinished or out
     if not isinstance(theirs, dict):
-        return UserError(f"--out {out}: holds data prepared by an earlier looplm; choose another --out, "
-                         f"or delete {out} to prepare it again")
+        return UserError(f"--out {out}: holds {held} by an earlier looplm; choose another --out, "
+                         f"or delete {gone} to prepare it again")
     differ = [k for k in ours if theirs.get(k) != ours[k]] or ["settings"]
-    return UserError(f"--out {out}: holds data prepared with other settings ({', '.join(differ)}); "
-                     f"choose another --out, or delete {out} to prepare it again")
+    return UserError(f"--out {out}: holds {held} with other settings ({', '.join(differ)}); "
+                     f"choose another --out, or delete {gone} to prepare it again")
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -263,12 +288,13 @@ def is_prepared(path: str | Path | None) -> bool:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
+    """DIR/manifest.json, checked (UserError naming it); the one reader of a prepared folder's manifest."""
     path = directory / MANIFEST
+    manifest = read_json_object(path, "a looplm prepared-data manifest")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        assert isinstance(manifest, dict) and manifest.get("format") == FORMAT
+        assert manifest.get("format") == FORMAT
         kind, vocab = manifest["tokenizer"]["kind"], int(manifest["model_vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+    except (ValueError, KeyError, TypeError, AssertionError):
         raise UserError(f"{path}: not a looplm prepared-data manifest; run `looplm data prepare` again") from None
     if manifest.get("version") not in READABLE_VERSIONS:
         raise UserError(f"{path}: format version {manifest.get('version')!r}, this looplm reads "
@@ -302,6 +328,8 @@ def use_prepared(recipe, directory: str | Path, run_dir: Path) -> tuple[AnyToken
     for file in files:
         if not file.is_file():
             raise UserError(f"{file}: missing from the prepared folder; run `looplm data prepare` again")
+    for split in ("train", "val"):     # every token file the size its sidecar says, checked where it lies
+        data_mod.open_tokens(directory / f"{split}.bin")
     tok = load_tokenizer(directory)
     if tok.vocab_size > recipe.model.vocab_size:
         raise UserError(f"model.vocab_size {recipe.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size}")

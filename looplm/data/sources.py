@@ -150,6 +150,11 @@ def open_source(path: str | Path | None, text_field: str = DEFAULT_TEXT_FIELD) -
     else:
         root = Path(path)
         if not root.exists():
+            from ..outdir import staging_path
+            if (staging_path(root) / PREPARE_JOURNAL).is_file():
+                raise UserError(f"data path {root}: not prepared yet; `looplm data prepare` has not finished it "
+                                f"(its work so far is in {staging_path(root)}): run the same prepare command again "
+                                "to finish it")
             raise UserError(f"data path {root}: no such file or folder")
         if root.is_file():
             suffix = root.suffix.lower()

@@ -223,14 +223,7 @@ def open_tokens(path: str | Path) -> np.memmap | TokenStream:
     meta_path = _sidecar_path(path)
     if not meta_path.is_file() or not (path.is_file() or _lists_shards(meta_path)):
         raise UserError(f"{path}: token file or its sidecar {meta_path.name} is missing")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        dtype, length = np.dtype(meta["dtype"]), int(meta["length"])
-        shards = [(str(s["file"]), int(s["tokens"])) for s in meta["shards"]] if "shards" in meta else None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{meta_path}: not a valid token sidecar ({exc})") from exc
-    if dtype not in (np.uint16, np.uint32) or length <= 0:
-        raise UserError(f"{meta_path}: expected dtype uint16/uint32 and length > 0")
+    dtype, length, shards = _read_sidecar(meta_path)
     if shards is None:
         return _memmap(path, dtype, length, meta_path)
     if sum(n for _, n in shards) != length or any(Path(f).name != f or n <= 0 for f, n in shards):
@@ -242,10 +235,26 @@ def token_files(path: str | Path) -> list[Path]:
     """The files a split written at `path` consists of: its sidecar, and the one token file or its shards."""
     path = Path(path)
     meta_path = _sidecar_path(path)
-    if _lists_shards(meta_path):
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        return [meta_path, *(path.parent / s["file"] for s in meta["shards"])]
+    if meta_path.is_file():
+        shards = _read_sidecar(meta_path)[2]
+        if shards is not None:
+            return [meta_path, *(path.parent / f for f, _ in shards)]
     return [meta_path, path]
+
+
+def _read_sidecar(meta_path: Path) -> tuple[np.dtype, int, list[tuple[str, int]] | None]:
+    """(dtype, length, shards or None) of a token split's sidecar, checked (UserError naming it); the one
+    reader of train.json / val.json."""
+    from ..files import read_json_object
+    meta = read_json_object(meta_path, "a token sidecar (dtype, length)")
+    try:
+        dtype, length = np.dtype(meta["dtype"]), int(meta["length"])
+        shards = [(str(s["file"]), int(s["tokens"])) for s in meta["shards"]] if "shards" in meta else None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{meta_path}: not a valid token sidecar ({type(exc).__name__}: {exc})") from None
+    if dtype not in (np.uint16, np.uint32) or length <= 0:
+        raise UserError(f"{meta_path}: expected dtype uint16/uint32 and length > 0")
+    return dtype, length, shards
 
 
 def has_tokens(path: str | Path) -> bool:

@@ -188,31 +188,44 @@ def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> AnyToke
     raise UserError(f"tokenizer kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
+def read_tokenizer_file(path: str | Path) -> Tokenizer:
+    """A `tokenizers` file (tokenizer.json), checked: UserError naming it when it is missing or not a
+    tokenizer the library reads. The one reader of tokenizer.json, a run's and an imported model's."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: missing (expected a tokenizers file, {BPE_FILE})")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust loader raises a bare Exception on bad JSON or an unknown model
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"{path}: not a readable tokenizers file ({detail})") from None
+
+
 def load_tokenizer(directory: str | Path) -> AnyTokenizer:
-    """Read a tokenizer written by `save` from `directory`."""
+    """Read a tokenizer written by `save` from `directory`, every file checked (UserError naming it)."""
     directory = Path(directory)
     config_path = directory / CONFIG_FILE
-    kind = _read_config(config_path).get("kind")
+    config = _read_config(config_path)
+    kind = config.get("kind")
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        bpe_path = directory / BPE_FILE
-        if not bpe_path.is_file():
-            raise UserError(f"{bpe_path}: missing; a BPE tokenizer needs its {BPE_FILE}")
-        try:
-            return BPETokenizer(Tokenizer.from_file(str(bpe_path)))
-        except Exception as exc:  # the Rust loader raises a bare Exception on bad JSON
-            raise UserError(f"{bpe_path}: not a valid tokenizers file ({exc})") from exc
+        return BPETokenizer(read_tokenizer_file(directory / BPE_FILE))
     if kind == "pretrained":
-        config = _read_config(config_path)
-        path = directory / BPE_FILE
-        try:
-            return PretrainedTokenizer(Tokenizer.from_file(str(path)), config["eos_id"], config.get("bos_id"))
-        except KeyError:
-            raise UserError(f"{config_path}: a pretrained tokenizer's config needs its eos_id") from None
-        except Exception as exc:  # the Rust loader raises a bare Exception on a missing file or bad JSON
-            raise UserError(f"{path}: not a readable tokenizers file ({exc})") from exc
+        eos, bos = config.get("eos_id"), config.get("bos_id")
+        if not _is_id(eos) or not (bos is None or _is_id(bos)):
+            raise UserError(f"{config_path}: a pretrained tokenizer's config needs its eos_id (and bos_id, when "
+                            f"given) as token ids, got eos_id {eos!r}, bos_id {bos!r}")
+        tok = PretrainedTokenizer(read_tokenizer_file(directory / BPE_FILE), eos, bos)
+        if max(eos, bos or 0) >= tok.vocab_size:
+            raise UserError(f"{config_path}: eos_id {eos} / bos_id {bos} outside {directory / BPE_FILE}'s "
+                            f"{tok.vocab_size} ids")
+        return tok
     raise UserError(f"{config_path}: 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _write_config(directory: Path, kind: str, **extra: int | None) -> None:
@@ -221,12 +234,5 @@ def _write_config(directory: Path, kind: str, **extra: int | None) -> None:
 
 
 def _read_config(path: Path) -> dict:
-    if not path.is_file():
-        raise UserError(f"{path}: missing; expected a tokenizer config with a 'kind' field")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise UserError(f"{path}: expected a JSON object with a 'kind' field")
-    return config
+    from ..files import read_json_object
+    return read_json_object(path, "a tokenizer config with a 'kind' field")

@@ -20,16 +20,12 @@ from ..errors import UserError
 from ..halting import ExitPolicy, hazards_to_masses, parse_exit_policy, successive_kl, token_entropy
 from ..halting.hazards import act_mixture_terms
 from ..inference.early_exit import early_exit, resolve_policy
+from .rounds import batch_generator      # evaluate_rounds' per-batch noise: fixed:R matches its table
 
 
 
 # ---------------------------------------------------------------------------------------
 # Evaluation: loss, measured rounds and wall time of a policy; sweeps of thresholds.
-
-def _seeded(count: int) -> torch.Generator:
-    # the same per-batch generator as evaluate.evaluate_rounds, so fixed:R matches its table
-    return torch.Generator().manual_seed(count)
-
 
 @torch.no_grad()
 def evaluate_exit(model, batches: Iterable[tuple[Tensor, Tensor]], policy: str | ExitPolicy,
@@ -49,7 +45,7 @@ def evaluate_exit(model, batches: Iterable[tuple[Tensor, Tensor]], policy: str |
     for x, y, *rest in batches:
         mask = rest[0] if rest and isinstance(rest[0], Tensor) else None   # task data: answer tokens only
         t0 = time.perf_counter()
-        out = early_exit(model, x, policy, rounds, generator=_seeded(count), missing=missing)
+        out = early_exit(model, x, policy, rounds, generator=batch_generator(count), missing=missing)
         wall += time.perf_counter() - t0
         budget = out.computed.shape[-1]
         loss_sum += token_losses(out.logits, y, mask).sum().item()
@@ -81,7 +77,7 @@ def time_policies(model, batches: list, policies: list[tuple[str | ExitPolicy, i
         for i, (pol, R) in enumerate(policies):
             t0, seen = time.perf_counter(), 0
             for x, *_ in batches:
-                early_exit(model, x, pol, R, generator=_seeded(seen), missing=missing)
+                early_exit(model, x, pol, R, generator=batch_generator(seen), missing=missing)
                 seen += x.numel()
             walls[i].append(time.perf_counter() - t0)
     return [statistics.median(w) for w in walls]
@@ -120,7 +116,7 @@ def exit_mixture(model, batches: Iterable[tuple[Tensor, Tensor]], rounds: int,
     every = tuple(range(1, rounds + 1))
     for x, y in batches:
         x, y = x.to(device), y.to(device)                                    # (B, T) each
-        out = model(x, rounds, readout_rounds=every if losses else None, generator=_seeded(count))
+        out = model(x, rounds, readout_rounds=every if losses else None, generator=batch_generator(count))
         masses = hazards_to_masses(out.hazards[..., :rounds])                 # (B, T, R)
         depth += (masses * torch.arange(1, rounds + 1, dtype=masses.dtype, device=device)).sum().item()
         if losses:
@@ -167,7 +163,7 @@ def default_thresholds(model, kind: str, batches: list[tuple[Tensor, Tensor]], r
     if kind == "quantile":
         return list(_QUANTILES)
     x = batches[0][0]
-    out = model(x, rounds, readout_rounds=tuple(range(1, rounds + 1)), generator=_seeded(0))
+    out = model(x, rounds, readout_rounds=tuple(range(1, rounds + 1)), generator=batch_generator(0))
     if rounds == 1:
         return [1.0]
     if kind == "entropy":

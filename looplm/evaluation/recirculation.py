@@ -15,6 +15,11 @@ pass reads unrefined history: a window scored as one chunk is the base model exa
 for the tokens after a refined prompt, so it is compared on that (`schedule_gap`: half of each window
 a prompt chunk, the other half decoded one column per chunk and scored, against the exact schedule).
 
+The calibration picks and reports on different text: the held-out windows are split in two disjoint halves
+(`split_windows`), the sweep scores every setting on the first (`selection`) and picks the best there, and
+the best setting alone is scored again, beside the base model, on the second (`confirmation`): the best of
+many settings on the text it was picked on is biased upward, the confirmation is not.
+
 The sign convention is the seeds' (perplexity *reduction*): change = (ppl_base - ppl) / ppl_base x 100,
 positive = better, negative = worse; the table, the heatmap and the JSON say so where they show it.
 """
@@ -70,6 +75,22 @@ def heldout_windows(run: Any, tokens: int = 4096, window: int | None = None, dat
     batches = eval_batches_for(run, data, max_batches=math.ceil(rows / recipe.train.batch_size))
     x, y = (torch.cat(parts)[:rows, :per * width].reshape(-1, width)[:want] for parts in zip(*batches))
     return list(zip(x.split(ROWS), y.split(ROWS)))
+
+
+def split_windows(windows: Windows) -> tuple[Windows, Windows, int]:
+    """The calibration's two disjoint splits of held-out windows: (selection, confirmation, n), selection
+    the first n // 2 windows in order and confirmation the rest (whole windows: no token in both), each
+    rebatched at most ROWS rows a batch. Fewer than two windows cannot be split: refused."""
+    x, y = (torch.cat(parts) for parts in zip(*windows))                      # (N, T) every window, in order
+    n = x.shape[0]
+    if n < 2:
+        raise UserError("--calibrate: needs at least two held-out windows, one to select on and one to confirm on "
+                        "(raise --tokens or lower --window)")
+    half = n // 2
+
+    def batches(a: Tensor, b: Tensor) -> Windows:
+        return list(zip(a.split(ROWS), b.split(ROWS)))
+    return batches(x[:half], y[:half]), batches(x[half:], y[half:]), n
 
 
 def engine_for(run: Any, rc: Recirculation | None = None) -> Engine:
@@ -172,10 +193,13 @@ def every_pair(run: Any) -> list[tuple[int, int]]:
 def calibrate(run: Any, pairs: Sequence[tuple[int, int]], alphas: Sequence[float], windows: Windows,
               beta: str = "complement", ramp: int = 0,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The calibration sweep: held-out perplexity change (percent, positive = better) of the exact schedule
-    (EXACT) at every (s, d) in `pairs` and alpha in `alphas`, against the base model on the same windows;
-    the best cell, and the blockwise schedule's gap at it. Every setting is checked against the model
-    before any work (a refusal costs nothing)."""
+    """The calibration sweep, picking on one split of the held-out windows and reporting on another
+    (`split_windows`). `selection`: the perplexity change (percent, positive = better) of the exact schedule
+    (EXACT) at every (s, d) in `pairs` and alpha in `alphas` against the base model on the first half (its
+    `cells`), and the best cell. `confirmation`: that best setting and the base model scored on the second,
+    disjoint half: the figure to quote. The blockwise schedule's gap at the best setting is measured on the
+    confirmation windows too. Every setting is checked against the model before any work (a refusal costs
+    nothing)."""
     rounds = run.model.nominal_rounds
     settings = [Recirculation(source=s, dest=d, alpha=a, beta=beta, ramp=ramp, schedule=EXACT)
                 for s, d in pairs for a in alphas]
@@ -184,29 +208,42 @@ def calibrate(run: Any, pairs: Sequence[tuple[int, int]], alphas: Sequence[float
     for rc in settings:
         rc.check(run.model.cfg, rounds)
     engine_for(run, settings[0])            # the engine's refusals (exit policy, feedback, routing), up front
-    base = heldout_loss(engine_for(run), windows)
+    pick, confirm, n = split_windows(windows)
+    base = heldout_loss(engine_for(run), pick)
     cells = []
     for i, rc in enumerate(settings, 1):
-        got = recirculated_loss(run, rc, windows, base)
+        got = recirculated_loss(run, rc, pick, base)
         cells.append({"s": rc.source, "d": rc.dest, "alpha": rc.alpha, "loss": got["loss"], "ppl": got["ppl"],
                       "change_pct": change_pct(base["ppl"], got["ppl"])})
         if progress:
             progress(f"[{i}/{len(settings)}] s {rc.source} -> d {rc.dest}, alpha {rc.alpha:g}: "
-                     f"change {cells[-1]['change_pct']:+.3f}%")
+                     f"change {cells[-1]['change_pct']:+.3f}% (selection split)")
     best = max(cells, key=lambda c: c["change_pct"])
-    gap = schedule_gap(run, next(rc for rc, c in zip(settings, cells) if c is best), windows)
-    return {"base": {"loss": base["loss"], "ppl": base["ppl"]}, "tokens": base["tokens"],
+    best_rc = next(rc for rc, c in zip(settings, cells) if c is best)
+    confirm_base = heldout_loss(engine_for(run), confirm)
+    confirmed = recirculated_loss(run, best_rc, confirm, confirm_base)
+    gap = schedule_gap(run, best_rc, confirm)
+    half = n // 2
+    return {"selection": {"windows": [0, half], "tokens": base["tokens"],
+                          "base": {"loss": base["loss"], "ppl": base["ppl"]}, "cells": cells, "best": best},
+            "confirmation": {"windows": [half, n], "tokens": confirm_base["tokens"],
+                             "base": {"loss": confirm_base["loss"], "ppl": confirm_base["ppl"]},
+                             "best": {"s": best["s"], "d": best["d"], "alpha": best["alpha"],
+                                      "loss": confirmed["loss"], "ppl": confirmed["ppl"],
+                                      "change_pct": change_pct(confirm_base["ppl"], confirmed["ppl"])}},
+            "split": "held-out windows [start, stop) in order: the sweep picks on selection, the pick is scored on "
+                     "confirmation (disjoint windows it was not picked on)",
             "window": windows[0][0].shape[1], "rounds": rounds, "beta": beta, "ramp": ramp, "schedule": EXACT,
             "alphas": list(alphas), "pairs": [list(p) for p in pairs],
             "visits": [str(v) for v in visit_plan(run.model.cfg, rounds)],
-            "cells": cells, "best": best, "blockwise_gap_at_best": gap,
-            "loss": best["loss"], "base_loss": base["loss"],              # the CONTRACT's keys: the best setting's
+            "blockwise_gap_at_best": gap,
+            "loss": confirmed["loss"], "base_loss": confirm_base["loss"],   # the CONTRACT's keys: the confirmation's
             "change": "(ppl_base - ppl) / ppl_base x 100: positive = better, negative = worse"}
 
 
 def _grid(table: dict[str, Any], alpha: float) -> tuple[list[int], list[int], list[list[float]]]:
     """(s values, d values, change[s][d] with NaN where no pair was measured) at one alpha."""
-    cells = {(c["s"], c["d"]): c["change_pct"] for c in table["cells"] if c["alpha"] == alpha}
+    cells = {(c["s"], c["d"]): c["change_pct"] for c in table["selection"]["cells"] if c["alpha"] == alpha}
     ss = sorted({s for s, _ in cells})
     ds = sorted({d for _, d in cells})
     return ss, ds, [[cells.get((s, d), math.nan) for d in ds] for s in ss]
@@ -220,7 +257,7 @@ def heatmap(table: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     alphas = table["alphas"]
-    scale = max((abs(c["change_pct"]) for c in table["cells"]), default=0.0) or 1.0   # symmetric: 0 is white
+    scale = max((abs(c["change_pct"]) for c in table["selection"]["cells"]), default=0.0) or 1.0   # 0 is white
     grids = [_grid(table, a) for a in alphas]
     cols = max(len(g[1]) for g in grids)
     rows = max(len(g[0]) for g in grids)
@@ -241,31 +278,43 @@ def heatmap(table: dict[str, Any], path: str | Path) -> None:
         ax.set_ylabel("s (source visit)")
         ax.set_title(f"alpha {a:g}", fontsize=9)
     fig.colorbar(im, ax=list(axes[0]), fraction=0.03)
-    fig.suptitle(f"perplexity change (%) = (ppl_base - ppl) / ppl_base, negative = worse\n{table['tokens']} held-out "
-                 f"tokens, {table['rounds']} rounds, beta {table['beta']}, ramp {table['ramp']}", fontsize=9)
+    conf = table["confirmation"]
+    fig.suptitle(f"perplexity change (%) = (ppl_base - ppl) / ppl_base, negative = worse\nselection split: "
+                 f"{table['selection']['tokens']} held-out tokens, {table['rounds']} rounds, beta {table['beta']}, ramp "
+                 f"{table['ramp']}; the best on {conf['tokens']} other tokens (confirmation): "
+                 f"{conf['best']['change_pct']:+.3g}%", fontsize=9)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
 def markdown(table: dict[str, Any], run_label: str = "the run", png: str | None = None) -> str:
-    """The calibration as a Markdown section: one row per (s, d), one column per alpha (percent change)."""
+    """The calibration as a Markdown section: the selection split's table (one row per (s, d), one column per
+    alpha, percent change), the best setting there, and its confirmation on the other split."""
     alphas = table["alphas"]
-    by = {(c["s"], c["d"], c["alpha"]): c["change_pct"] for c in table["cells"]}
-    base, best, gap = table["base"], table["best"], table["blockwise_gap_at_best"]
-    lines = [f"Recirculation calibration on {run_label}: perplexity change (%) = (ppl_base - ppl) / ppl_base x 100 "
-             f"over {table['tokens']} held-out tokens (windows of {table['window']}); **positive = better, negative = "
-             f"worse**. Base: loss {base['loss']:.4f}, perplexity {base['ppl']:.3f} at {table['rounds']} rounds; "
-             f"beta {table['beta']}, ramp {table['ramp']}, the exact schedule ({table['schedule']}).", "",
+    sel, conf = table["selection"], table["confirmation"]
+    by = {(c["s"], c["d"], c["alpha"]): c["change_pct"] for c in sel["cells"]}
+    base, best, gap = sel["base"], sel["best"], table["blockwise_gap_at_best"]
+    cbase, cbest = conf["base"], conf["best"]
+    lines = [f"Recirculation calibration on {run_label}: perplexity change (%) = (ppl_base - ppl) / ppl_base x 100; "
+             f"**positive = better, negative = worse**. The held-out windows (of {table['window']} tokens) are split "
+             f"in two disjoint halves: the sweep below picks on the **selection** split (windows "
+             f"{sel['windows'][0]}..{sel['windows'][1] - 1}, {sel['tokens']} tokens), and the best setting is scored "
+             f"again on the **confirmation** split (windows {conf['windows'][0]}..{conf['windows'][1] - 1}, "
+             f"{conf['tokens']} tokens) it was not picked on. Selection base: loss {base['loss']:.4f}, perplexity "
+             f"{base['ppl']:.3f} at {table['rounds']} rounds; beta {table['beta']}, ramp {table['ramp']}, the exact "
+             f"schedule ({table['schedule']}).", "",
              "| s -> d | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |",
              "|---|" + "---:|" * len(alphas)]
     for s, d in (tuple(p) for p in table["pairs"]):
         lines.append(f"| {s} -> {d} | " + " | ".join(f"{by[(s, d, a)]:+.3f}" for a in alphas) + " |")
     verdict = "" if best["change_pct"] > 0 else " (no setting improves on the base model)"
-    lines += ["", f"Best: s {best['s']} -> d {best['d']} at alpha {best['alpha']:g}: {best['change_pct']:+.3f}% "
-                  f"(perplexity {base['ppl']:.3f} -> {best['ppl']:.3f}){verdict}.", "",
-              f"The blockwise schedule at the best setting, scored on {gap['scored']} ({gap['scored_tokens']} "
-              f"tokens; a whole window in one chunk is the base model under blockwise): loss base "
-              f"{gap['base']['loss']:.5f}, exact ({gap['exact_schedule']}) {gap['exact']['loss']:.5f}, blockwise "
+    lines += ["", f"Best on the selection split: s {best['s']} -> d {best['d']} at alpha {best['alpha']:g}: "
+                  f"{best['change_pct']:+.3f}% (perplexity {base['ppl']:.3f} -> {best['ppl']:.3f}){verdict}.", "",
+              f"Confirmation (the same setting on the other split): loss {cbase['loss']:.5f} -> {cbest['loss']:.5f}, "
+              f"perplexity {cbase['ppl']:.3f} -> {cbest['ppl']:.3f}: **{cbest['change_pct']:+.3f}%**.", "",
+              f"The blockwise schedule at the best setting, on the confirmation split, scored on {gap['scored']} "
+              f"({gap['scored_tokens']} tokens; a whole window in one chunk is the base model under blockwise): loss "
+              f"base {gap['base']['loss']:.5f}, exact ({gap['exact_schedule']}) {gap['exact']['loss']:.5f}, blockwise "
               f"{gap['blockwise']['loss']:.5f} (gap blockwise - exact {gap['gap']:+.2e}).",
               "", "Visits: " + "; ".join(table["visits"]) + "."]
     if png:

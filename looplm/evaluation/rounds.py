@@ -31,6 +31,15 @@ def extrapolation_rounds(recipe) -> list[int]:
     return list(range(1, 2 * recipe.depth.max_rounds + 1))
 
 
+def batch_generator(tokens_before: int) -> torch.Generator:
+    """The initial-state generator of one evaluation batch: a CPU generator seeded with the number of target
+    tokens scored in the batches before it. A random initial state (model.init_state = "random") is then the
+    same noise every time the same batches are scored, and every evaluation that reads out the plain model
+    on them draws it so: `eval --rounds` (evaluate_rounds), `--exit`'s fixed:R, feedback's pass 1
+    (evaluation/feedback.py), so their numbers for the same function are the same number."""
+    return torch.Generator().manual_seed(tokens_before)
+
+
 @torch.no_grad()
 def evaluate_rounds(model, batches, rounds_list: list[int], states: bool = False) -> dict[int, dict[str, float]]:
     """Mean next-token loss and perplexity at each round count, over the same batches.
@@ -47,13 +56,11 @@ def evaluate_rounds(model, batches, rounds_list: list[int], states: bool = False
     device = model_device(model)
     for x, y in batches:
         x, y = x.to(device), y.to(device)
-        # A fixed generator makes a random initial state reproducible across evaluations.
-        gen = torch.Generator().manual_seed(count)
-        out = model(x, top, readout_rounds=tuple(rounds_list), generator=gen, collect_stats=states)
+        out = model(x, top, readout_rounds=tuple(rounds_list), generator=batch_generator(count), collect_stats=states)
         for r in rounds_list:
             sums[r] += token_losses(out.round_logits[r], y).sum().item()
         if states:
-            s0 = model.loop_inputs(x, generator=torch.Generator().manual_seed(count))[2]   # the same initial state
+            s0 = model.loop_inputs(x, generator=batch_generator(count))[2]   # the same initial state
             for r in rounds_list:
                 cur = out.round_states[r - 1].float()
                 prev = (out.round_states[r - 2] if r > 1 else s0).float()

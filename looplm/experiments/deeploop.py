@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipe.config import Recipe, derive_recipe
+from ..runs.checkpoint import read_metrics
 
 CONVERGED_FRACTION = 0.9
 """A trial converged when its final training loss is at most this fraction of its first."""
@@ -50,7 +51,7 @@ def trial_recipe(base: Recipe, p: float, rounds: int, seed: int) -> Recipe:
 def run_trial(recipe: Recipe, out: Path) -> dict[str, Any]:
     from ..train.trainer import train
     report = train(recipe, out, quiet=True)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(out)
     losses = [r["loss"] for r in rows]
     R = recipe.depth.rounds
     # held-out loss at the trained depth (the report's depth-extrapolation pass reads every depth)

@@ -205,12 +205,11 @@ def write_tokenizer(tokenizer: Any, run_checkpoint: Path, out: Path, context: in
     """tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast) equal to the run's tokenizer:
     the same ids for the same text, special tokens in text read as plain text (looplm's encode), no
     special tokens added, no clean-up on decode, left padding with <|eos|> (pads are masked)."""
-    from tokenizers import Tokenizer
-    from ..data.tokenizer import BPE_FILE, EOS_TOKEN, ByteTokenizer, BPETokenizer
+    from ..data.tokenizer import BPE_FILE, EOS_TOKEN, ByteTokenizer, BPETokenizer, read_tokenizer_file
     if isinstance(tokenizer, ByteTokenizer):
         tok, split = byte_tokenizer_json(), True
     else:
-        tok = Tokenizer.from_file(str(run_checkpoint / BPE_FILE))
+        tok = read_tokenizer_file(run_checkpoint / BPE_FILE)
         split = isinstance(tokenizer, BPETokenizer)       # a pretrained model's own reads its special tokens
     tok.save(str(out / "tokenizer.json"))
     eos = tok.id_to_token(tokenizer.eos_id) or EOS_TOKEN
@@ -240,30 +239,39 @@ def _model_card(recipe: Any, run_dir: Path) -> str:
 
 def export_hf(run_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Write RUN as a Hugging Face folder at out_dir (see the module docstring); UserError (one line)
-    when the run has a field the exported code does not implement, or out_dir holds something else."""
+    when the run has a field the exported code does not implement, or out_dir holds something else.
+    The folder is built in OUT.partial and moved into place when complete (outdir.Staging): into an
+    earlier export, file by file, so files a user keeps beside it (a hub clone's .git) stay; a failed
+    export leaves nothing."""
     from safetensors.torch import save_file
+    from ..outdir import MARKER, Staging, refuse_foreign
     from ..runs.checkpoint import load_run
 
     run_dir, out = Path(run_dir), Path(out_dir)
     run = load_run(run_dir, device="cpu")
     check_exportable(run.recipe)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
-        raise UserError(f"--hf {out}: exists and is not an empty folder or an earlier looplm export")
-    out.mkdir(parents=True, exist_ok=True)
+    earlier = refuse_foreign(out, "--hf", _is_export, "an earlier looplm export")
     config = hf_config(run.recipe, run.tokenizer)
     config["looplm_recipe"] = run.recipe.to_dict()
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(run.tokenizer), indent=2) + "\n")
-    for name in TEMPLATE_FILES:
-        shutil.copyfile(TEMPLATE / name, out / name)
     state = run.model.state_dict()
     if run.recipe.model.tie_embeddings:
         state.pop("head.weight")            # the exported head reads the embedding
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer(run.tokenizer, run_dir / "checkpoint", out, run.recipe.model.context)
-    (out / "README.md").write_text(_model_card(run.recipe, run_dir))
-    return {"out": str(out), "files": sorted(p.name for p in out.iterdir()), "parameters": sum(
+    with Staging(out, "--hf") as stage:
+        tmp = stage.dir
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(run.tokenizer), indent=2) + "\n")
+        for name in TEMPLATE_FILES:
+            shutil.copyfile(TEMPLATE / name, tmp / name)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_tokenizer(run.tokenizer, run_dir / "checkpoint", tmp, run.recipe.model.context)
+        (tmp / "README.md").write_text(_model_card(run.recipe, run_dir))
+        files = sorted(p.name for p in tmp.iterdir() if p.name != MARKER)
+        if earlier:
+            stage.merge()
+        else:
+            stage.commit()
+    return {"out": str(out), "files": files, "parameters": sum(
         t.numel() for t in tensors.values()), "rounds": config["rounds"], "exit_policy": config["exit_policy"],
         "transformers_tested": TRANSFORMERS_TESTED}
 

@@ -17,6 +17,13 @@ The loop starts from the prelude's output and re-enters nothing (init_state = pr
 = none): round 1 is then exactly the pretrained stack, so with every layer kept and R = 1 the
 run's logits are the HF model's, and R > 1 repeats the core on its own output (training-free
 looping). The weights are read tensor by tensor (safetensors, never pickles) and kept in fp32.
+
+Every file of HF_DIR is checked where it is read, each refusal one line naming the file: config.json
+(`read_config`: JSON, the family, its sizes), the weights (`Weights`: each file's header, every tensor
+present at the shape config.json implies), tokenizer.json and generation_config.json. --out must be
+absent or an empty folder: an import is a new run, and no run or other file is ever overwritten (an
+earlier import included: import into another folder). The run is built in OUT.partial and moved into
+place whole (outdir.Staging), so a refused or failed import leaves nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..errors import UserError
 
@@ -85,33 +91,71 @@ def parse_layout(layers: int, prelude: int | None, core: str | None, coda: int |
 
 # ----------------------------------------------------------------------------- config
 
+REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+"""config.json keys every supported family has: positive integers."""
+OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar")
+"""config.json keys read when present (null = absent): positive integers, and numbers."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def read_config(hf_dir: Path) -> dict[str, Any]:
+    """HF_DIR/config.json, checked: a JSON object of a supported family whose sizes are positive integers
+    (UserError naming the file and the key otherwise); the one reader of an import's config."""
+    from ..files import read_json_object
     path = hf_dir / "config.json"
     if not path.is_file():
         raise UserError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
-    cfg = json.loads(path.read_text())
+    cfg = read_json_object(path, "a Hugging Face model config")
     kind = cfg.get("model_type")
     if kind == "gemma3" and "text_config" in cfg:
         raise UserError(f"{hf_dir}: a Gemma 3 vision-language checkpoint; import its text model "
                         "(Gemma3ForCausalLM, model_type gemma3_text)")
     if kind not in FAMILIES:
-        raise UserError(f"{hf_dir}: model_type {kind!r} cannot be imported (supported: {', '.join(FAMILIES)})")
+        raise UserError(f"{path}: model_type {kind!r} cannot be imported (supported: {', '.join(FAMILIES)})")
+    missing = [k for k in REQUIRED_INTS if k not in cfg]
+    if missing:
+        raise UserError(f"{path}: incomplete, no {', '.join(missing)} (a {FAMILIES[kind]} config names "
+                        f"{', '.join(REQUIRED_INTS)})")
+    for key in (*REQUIRED_INTS, *OPTIONAL_INTS):
+        value = cfg.get(key)
+        if (key in REQUIRED_INTS or value is not None) and not (_is_int(value) and value > 0):
+            raise UserError(f"{path}: {key} = {json.dumps(value)}, expected a positive integer")
+    for key in OPTIONAL_NUMBERS:
+        value = cfg.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise UserError(f"{path}: {key} = {json.dumps(value)}, expected a positive number")
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise UserError(f"{path}: {key} = {json.dumps(cfg[key])}, expected an object")
     return cfg
 
 
 def _rope(params: dict[str, Any], where: str) -> dict[str, Any]:
-    """RoPE settings -> ModelConfig fields; unknown scalings refused by name."""
+    """RoPE settings -> ModelConfig fields; unknown scalings refused by name, a scaling missing one of its
+    numbers refused naming it."""
+    def number(key: str, default: float | None = None) -> float:
+        value = params.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UserError(f"{where}: RoPE {kind!r} needs a positive number {key}, got {json.dumps(value)}")
+        return float(value)
+
+    if not isinstance(params, dict):
+        raise UserError(f"{where}: RoPE parameters {json.dumps(params)}, expected an object")
     kind = params.get("rope_type", params.get("type", "default"))
-    out: dict[str, Any] = {"rope_base": float(params.get("rope_theta", 10000.0))}
+    out: dict[str, Any] = {"rope_base": number("rope_theta", 10000.0)}
     if kind == "default":
         return out
     if kind == "linear":
-        return {**out, "rope_scaling": "linear", "rope_factor": float(params["factor"])}
+        return {**out, "rope_scaling": "linear", "rope_factor": number("factor")}
     if kind == "llama3":
-        return {**out, "rope_scaling": "llama3", "rope_factor": float(params["factor"]),
-                "rope_low_freq_factor": float(params["low_freq_factor"]),
-                "rope_high_freq_factor": float(params["high_freq_factor"]),
-                "rope_original_context": int(params["original_max_position_embeddings"])}
+        return {**out, "rope_scaling": "llama3", "rope_factor": number("factor"),
+                "rope_low_freq_factor": number("low_freq_factor"),
+                "rope_high_freq_factor": number("high_freq_factor"),
+                "rope_original_context": int(number("original_max_position_embeddings"))}
     raise UserError(f"{where}: RoPE scaling {kind!r} cannot be imported (looplm implements default, linear, llama3)")
 
 
@@ -193,33 +237,51 @@ def model_fields(cfg: dict[str, Any], context: int | None, where: str) -> tuple[
 # ----------------------------------------------------------------------------- weights
 
 class Weights:
-    """The checkpoint's tensors by name, read one at a time from its safetensors file(s)."""
+    """The checkpoint's tensors by name, read one at a time from its safetensors file(s), every file's
+    header checked first (files.safetensors_names) and every tensor checked against the shape the
+    config implies (`get`)."""
 
     def __init__(self, hf_dir: Path):
+        from ..files import safetensors_names
         files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
             raise UserError(f"{hf_dir}: no *.safetensors weights (looplm never unpickles .bin checkpoints; "
                             "convert them with transformers' save_pretrained)")
+        self.hf_dir = hf_dir
         self.where: dict[str, Path] = {}
         for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                self.where.update({k: f for k in h.keys()})
+            self.where.update({k: f for k in safetensors_names(f)[0]})
         emb = [k for k in self.where if k.endswith("embed_tokens.weight")]
         if len(emb) != 1:
-            raise UserError(f"{hf_dir}: expected one embed_tokens.weight, found {len(emb)}")
+            raise UserError(f"{hf_dir}: expected one embed_tokens.weight in its *.safetensors, found {len(emb)}")
         self.prefix = emb[0][: -len("embed_tokens.weight")]        # "model." for *ForCausalLM
 
     def __contains__(self, name: str) -> bool:
         return self.prefix + name in self.where or name in self.where
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+        """Tensor `name` (the prefix optional) in fp32; UserError naming the weights when it is absent or,
+        given the shape config.json implies, has another."""
+        from ..files import read_safetensors_tensor
         key = self.prefix + name if self.prefix + name in self.where else name
-        with safe_open(str(self.where[key]), framework="pt") as h:
-            return h.get_tensor(key).float()
+        if key not in self.where:
+            files = sorted({p.name for p in self.where.values()})
+            raise UserError(f"{self.hf_dir}: the weights ({', '.join(files)}) hold no tensor {self.prefix + name}, "
+                            "which config.json's model needs")
+        t = read_safetensors_tensor(self.where[key], key)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise UserError(f"{self.where[key]}: {key} has shape {list(t.shape)}, config.json implies "
+                            f"{list(shape)} (hidden_size, intermediate_size, heads or vocab_size disagree with "
+                            "the weights)")
+        return t.float()
 
     def layers(self) -> int:
-        ids = {int(k[len(self.prefix) + len("layers."):].split(".")[0])
-               for k in self.where if k.startswith(self.prefix + "layers.")}
+        ids = set()
+        for k in self.where:
+            if k.startswith(self.prefix + "layers."):
+                head = k[len(self.prefix) + len("layers."):].split(".")[0]
+                if head.isdigit():
+                    ids.add(int(head))
         return max(ids) + 1 if ids else 0
 
 
@@ -242,12 +304,14 @@ def _block_names(gemma: bool) -> dict[str, str]:
     return names
 
 
-def _layer_state(w: Weights, layer: int, gemma: bool, wanted: set[str]) -> dict[str, torch.Tensor]:
+def _layer_state(w: Weights, layer: int, gemma: bool, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Pretrained layer `layer` under looplm's block names: the names in `shapes` (a block's parameters ->
+    their shapes), each read at its shape."""
     out = {}
     for ours, theirs in _block_names(gemma).items():
-        if ours not in wanted:
+        if ours not in shapes:
             continue
-        t = w.get(f"layers.{layer}.{theirs}")
+        t = w.get(f"layers.{layer}.{theirs}", shapes[ours])
         if gemma and ("norm" in ours or ours.startswith("post")):
             t = t + 1.0                     # Gemma's RMSNorm scales by (1 + w)
         out[ours] = t
@@ -257,19 +321,21 @@ def _layer_state(w: Weights, layer: int, gemma: bool, wanted: set[str]) -> dict[
 def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None, core: str | None = None,
               coda: int | None = None, rounds: int = 1, core_blocks: int = 0, context: int | None = None) -> Path:
     """Write the run folder `out` from the Hugging Face model in `hf_dir` (see the module docstring)."""
-    from tokenizers import Tokenizer
-
-    from ..data.tokenizer import PretrainedTokenizer
+    from ..data.tokenizer import PretrainedTokenizer, read_tokenizer_file
     from ..model.looped import build_model
+    from ..outdir import Staging, refuse_foreign
     from ..recipe.config import recipe_from_dict
     from ..runs.checkpoint import save_checkpoint, write_text
 
     hf_dir, out = Path(hf_dir), Path(out)
     if (out / "checkpoint" / "state.pt").exists():
         raise UserError(f"--out {out} already holds a run; choose another folder")
+    refuse_foreign(out, "--out")      # a new run folder: absent or empty (see the module docstring)
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir}: no such folder (expected a Hugging Face model folder)")
     cfg = read_config(hf_dir)
     where = f"{hf_dir} ({cfg['model_type']})"
-    fields, notes = model_fields(cfg, context, where)
+    fields, notes = model_fields(cfg, context, f"{hf_dir / 'config.json'} ({cfg['model_type']})")
     w = Weights(hf_dir)
     layers = w.layers()
     if layers != int(cfg["num_hidden_layers"]):
@@ -301,57 +367,73 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None
         raise UserError(f"{hf_dir}: no tokenizer.json (looplm reads fast tokenizers; save one with "
                         "AutoTokenizer.from_pretrained(...).save_pretrained)")
     eos, bos = _special_ids(hf_dir, cfg)
+    tok = read_tokenizer_file(tok_file)
+    ids = tok.get_vocab_size(with_added_tokens=True)
+    if ids > fields["vocab_size"] or not all(t is None or 0 <= t < fields["vocab_size"] for t in (eos, bos)):
+        raise UserError(f"{tok_file}: {ids} token ids (eos {eos}, bos {bos}) do not fit config.json's vocab_size "
+                        f"{fields['vocab_size']}; the tokenizer is not this model's")
     seq_len = min(fields["context"], 256)
-    recipe = recipe_from_dict({
-        "name": f"import-{hf_dir.resolve().name}", "model": fields,
-        "depth": {"kind": "fixed", "rounds": layout.rounds},
-        "data": {"tokenizer": "pretrained", "seq_len": seq_len},
-    })
+    try:
+        recipe = recipe_from_dict({
+            "name": f"import-{hf_dir.resolve().name}", "model": fields,
+            "depth": {"kind": "fixed", "rounds": layout.rounds},
+            "data": {"tokenizer": "pretrained", "seq_len": seq_len},
+        })
+    except UserError as err:      # a size the config sets that looplm's model refuses: name the file too
+        raise UserError(f"{hf_dir / 'config.json'}: {err}") from None
     model = build_model(recipe)
     state = model.state_dict()
-    wanted = {n.split(".", 2)[2] for n in state if n.startswith("core.0.")}
-    new: dict[str, torch.Tensor] = {"embed.weight": w.get("embed_tokens.weight"),
-                                    "final_norm.weight": w.get("norm.weight") + (1.0 if gemma else 0.0)}
+    shapes = {n.split(".", 2)[2]: t.shape for n, t in state.items() if n.startswith("core.0.")}
+    new: dict[str, torch.Tensor] = {
+        "embed.weight": w.get("embed_tokens.weight", state["embed.weight"].shape),
+        "final_norm.weight": w.get("norm.weight", state["final_norm.weight"].shape) + (1.0 if gemma else 0.0)}
     if untied:
-        new["head.weight"] = w.get("lm_head.weight")
+        new["head.weight"] = w.get("lm_head.weight", state["head.weight"].shape)
     for b in range(layout.prelude):
-        new.update({f"prelude.{b}.{n}": t for n, t in _layer_state(w, b, gemma, wanted).items()})
+        new.update({f"prelude.{b}.{n}": t for n, t in _layer_state(w, b, gemma, shapes).items()})
     for b in range(k):                  # core block b: the mean of layers i + g*k + b over the span's groups
-        group = [_layer_state(w, i + g * k + b, gemma, wanted) for g in range((j - i) // k)]
+        group = [_layer_state(w, i + g * k + b, gemma, shapes) for g in range((j - i) // k)]
         new.update({f"core.{b}.{n}": torch.stack([s[n] for s in group]).mean(0) for n in group[0]})
     for b in range(layout.coda):
-        new.update({f"coda.{b}.{n}": t for n, t in _layer_state(w, layers - layout.coda + b, gemma, wanted).items()})
+        new.update({f"coda.{b}.{n}": t for n, t in _layer_state(w, layers - layout.coda + b, gemma, shapes).items()})
     new["head.weight"] = new.get("head.weight", new["embed.weight"])     # tied: the same tensor
     missing = sorted(set(state) - set(new))
     if missing:
         raise UserError(f"{where}: no pretrained weights for {missing[:4]}")
     model.load_state_dict(new)
 
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "recipe.toml", recipe.to_toml())
-    PretrainedTokenizer(Tokenizer.from_file(str(tok_file)), eos, bos).save(out / "checkpoint")
     record = {"source": str(hf_dir.resolve()), "family": notes["family"], "model_type": cfg["model_type"],
               "layers": layers, "prelude": list(range(layout.prelude)), "core": list(range(i, j)),
               "core_blocks": k, "coda": list(range(layers - layout.coda, layers)),
               "dropped": layout.dropped(layers), "rounds": layout.rounds, "context": fields["context"],
               "sliding_window": notes["sliding_window"], "tied_embeddings": not untied,
               "local_layers": notes["local_layers"], "local_rope_base": notes["local_rope_base"] or None}
-    save_checkpoint(out, model, {"step": 0, "imported": record})
-    write_text(out / "import.json", json.dumps(record, indent=2) + "\n")
+    with Staging(out, "--out") as stage:        # the run folder appears whole, or not at all
+        write_text(stage.dir / "recipe.toml", recipe.to_toml())
+        PretrainedTokenizer(tok, eos, bos).save(stage.dir / "checkpoint")
+        save_checkpoint(stage.dir, model, {"step": 0, "imported": record})
+        write_text(stage.dir / "import.json", json.dumps(record, indent=2) + "\n")
+        stage.commit()
     return out
 
 
 def _special_ids(hf_dir: Path, cfg: dict[str, Any]) -> tuple[int, int | None]:
     """(eos id, bos id) from config.json, else generation_config.json (a list: its first)."""
+    from ..files import read_json_object
     gen = hf_dir / "generation_config.json"
-    sources = [cfg, json.loads(gen.read_text())] if gen.is_file() else [cfg]
+    sources = [(hf_dir / "config.json", cfg)]
+    if gen.is_file():
+        sources.append((gen, read_json_object(gen, "a Hugging Face generation config")))
+
     def first(key: str) -> int | None:
-        for s in sources:
+        for path, s in sources:
             v = s.get(key)
             if isinstance(v, list):
                 v = v[0] if v else None
             if v is not None:
-                return int(v)
+                if not _is_int(v) or v < 0:
+                    raise UserError(f"{path}: {key} = {json.dumps(s.get(key))}, expected a token id (an integer >= 0)")
+                return v
         return None
     eos = first("eos_token_id")
     if eos is None:

@@ -68,15 +68,21 @@ def save_mixer(mixer: AdaptiveMixer, path: Any, record: dict[str, Any] | None = 
 
 
 def load_mixer(path: Any, d: int) -> AdaptiveMixer:
-    """A mixer saved by `save_mixer` (safetensors: no pickles), checked against the model's width d."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    """A mixer saved by `save_mixer` (safetensors: no pickles), checked against the model's width d: a
+    damaged file, another program's, a mixer of another width or with other tensors is refused in one
+    line naming the file (UserError)."""
     from ..errors import UserError
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+    from ..files import read_safetensors
+    tensors, meta = read_safetensors(path)
     if meta.get("kind") not in KINDS or meta.get("d_model") != str(d):
         raise UserError(f"recirculation mixer {path}: kind {meta.get('kind')!r}, width {meta.get('d_model')}: not a "
                         f"mixer for this model (width {d})")
     mixer = AdaptiveMixer(d, meta["kind"])
-    mixer.load_state_dict(load_file(str(path)))
+    want = {k: tuple(v.shape) for k, v in mixer.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != want:
+        wrong = sorted(set(want) ^ set(got)) or sorted(k for k in want if want[k] != got[k])
+        raise UserError(f"recirculation mixer {path}: its tensors do not make a {meta['kind']} mixer of width {d} "
+                        f"(missing, extra or misshapen: {', '.join(wrong[:3])})")
+    mixer.load_state_dict(tensors)
     return mixer.eval()

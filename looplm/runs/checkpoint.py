@@ -173,7 +173,10 @@ def load_run_recipe(run_dir: Path) -> tuple[Recipe, dict[str, Any]]:
         value = data[section].pop(name)
         log.warning(f"run {run_dir}: recipe.toml sets {item.key} = {value!r}, which {item.message.split(';')[0]} "
                     "(nothing read it); using the default")
-    recipe = recipe_from_dict(data)
+    try:
+        recipe = recipe_from_dict(data)
+    except UserError as err:     # a damaged or hand-edited recipe.toml: name the file, not only the field
+        raise UserError(f"{Path(run_dir) / 'recipe.toml'}: {err}") from None
     filled = filled_defaults(data, recipe)
     for key, value in filled.items():
         shown = dump_toml({key: list(value) if isinstance(value, tuple) else value}).strip()
@@ -182,21 +185,62 @@ def load_run_recipe(run_dir: Path) -> tuple[Recipe, dict[str, Any]]:
 
 
 def load_weights(run_dir: Path, model: torch.nn.Module, allow_missing: str | None = None) -> None:
-    """Load RUN/checkpoint/model.safetensors into `model`, refusing any mismatch. Parameters whose
-    names start with `allow_missing` (the exit gate, when stage II starts from a run without one)
-    may be absent and keep their initialisation."""
+    """Load RUN/checkpoint/model.safetensors into `model`, refusing a damaged file (its header checked
+    first: files.safetensors_names) and any mismatch with the recipe. Parameters whose names start with
+    `allow_missing` (the exit gate, when stage II starts from a run without one) may be absent and keep
+    their initialisation."""
+    from ..files import safetensors_names
     path = Path(run_dir) / "checkpoint" / "model.safetensors"
     if not path.is_file():
         raise UserError(f"run {run_dir}: missing checkpoint/model.safetensors")
+    safetensors_names(path)
     try:
         missing, unexpected = load_model(model, str(path), strict=False)
-    except Exception as err:
-        raise UserError(f"run {run_dir}: checkpoint/model.safetensors is unreadable or does not match "
-                        f"the recipe ({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    except Exception as err:      # shapes that disagree with the recipe's model
+        raise UserError(f"run {run_dir}: checkpoint/model.safetensors does not match the recipe "
+                        f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})") from None
     missing = [k for k in missing if not (allow_missing and k.startswith(allow_missing))]
     if missing or unexpected:
         raise UserError(f"run {run_dir}: weights do not match the recipe (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
+
+
+def read_report(run_dir: Path) -> dict[str, Any]:
+    """RUN/report.json as a dict ({} when the run has none yet: an unfinished or imported run); UserError
+    naming it when it is damaged. The one reader of a run's report."""
+    from ..files import read_json_object
+    path = Path(run_dir) / "report.json"
+    if not path.exists():
+        return {}
+    return read_json_object(path, "a looplm run report")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """RUN/metrics.jsonl's rows ([] when there is none), each a JSON object with an integer "step";
+    UserError naming the file and line otherwise. A last line without its newline is one a kill cut
+    short while the trainer wrote it: left out (a resumed run logs that step again). The one reader of
+    a run's metrics."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read it as UTF-8 text ({type(err).__name__})") from None
+    lines = text.split("\n")
+    lines.pop()                           # "" after the final newline, or the torn row a kill left
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}, line {n}: not valid JSON ({err.msg}); expected one metrics row per line") from None
+        if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+            raise UserError(f"{path}, line {n}: expected a JSON object with an integer \"step\"")
+        rows.append(row)
+    return rows
 
 
 @dataclass
@@ -233,11 +277,6 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Run
     load_weights(run_dir, model)
     model.eval().to(resolve_device(device))
     tokenizer = load_tokenizer(run_dir / "checkpoint")
-    report = {}
-    if (run_dir / "report.json").is_file():
-        try:
-            report = json.loads((run_dir / "report.json").read_text())
-        except json.JSONDecodeError:
-            raise UserError(f"run {run_dir}: report.json is not valid JSON") from None
+    report = read_report(run_dir)
     return Run(path=run_dir, recipe=recipe, model=model, tokenizer=tokenizer, report=report,
                version=version, filled_defaults=filled)

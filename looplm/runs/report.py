@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint import write_text
+from .checkpoint import read_metrics, read_report, write_text
 from ..recipe.config import recipe_from_dict
 
 
@@ -139,15 +139,25 @@ def _placement_lines(report: dict[str, Any]) -> list[str]:
                 else "loss weight per round")
         out.append(f"- {what} ({place['kind']}; mean per micro-batch, as the loss weighed it): "
                    + ", ".join(f"{r}: {w:.3f}" for r, w in zip(place["rounds"], place["weights"])))
-    fp = report.get("depth_safety", {}).get("fixed_point")
+    # depth_safety holds what was measured; the settings beside it come from the recipe, named as such
+    safety, rec = report.get("depth_safety", {}), report["recipe"]
+    fp = safety.get("fixed_point")
     if fp:
-        out.append(f"- fixed-point term (weight {fp['weight']}): carried by {fp['micro_batches']} micro-batches "
+        weight = rec.get("supervision", {}).get("fixed_point", fp.get("weight"))     # older reports recorded it here
+        out.append(f"- fixed-point term (recipe weight {weight}): carried by {fp['micro_batches']} micro-batches "
                    + (f"(mean unweighted value {fp['mean_term']:.4g})" if fp["micro_batches"] else
                       "-- NEVER APPLIED: every step ran one round"))
-    carry = report.get("depth_safety", {}).get("carry")
+    carry = safety.get("carry")
     if carry:
-        out.append(f"- decay injection's carry after training (started at {carry['start']}): min {carry['min']:.3f}, "
-                   f"mean {carry['mean']:.3f}, max {carry['max']:.3f}")
+        start = rec.get("model", {}).get("injection_decay_init", carry.get("start"))
+        out.append(f"- decay injection's carry after training (the recipe started it at {start}): min "
+                   f"{carry['min']:.3f}, mean {carry['mean']:.3f}, max {carry['max']:.3f}")
+    rms, change = safety.get("state_rms_by_rounds"), safety.get("state_change_by_rounds")
+    if rms:
+        out.append("- loop state on the held-out batches with the final weights, by rounds: RMS "
+                   + ", ".join(f"{r}: {v:.4g}" for r, v in rms.items())
+                   + ("; relative change ||s_r - s_(r-1)|| / ||s_(r-1)|| "
+                      + ", ".join(f"{r}: {v:.2g}" for r, v in change.items()) if change else ""))
     gate = report.get("exit_gate")
     if gate:
         n, total = gate["steps_with_gradient"], gate["steps"]
@@ -217,7 +227,7 @@ def write_plots(run_dir: Path, report: dict[str, Any]) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = []
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l]
+    rows = read_metrics(run_dir)
     if rows:
         fig, ax = plt.subplots(figsize=(5, 3.2))
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
@@ -342,10 +352,9 @@ def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] |
     """Add (or replace, by title) a section of report.md and merge `data` into report.json, then
     re-render report.md from report.json. Returns False when the run has no report yet."""
     run_dir = Path(run_dir)
-    path = run_dir / "report.json"
-    if not path.is_file():
+    report = read_report(run_dir)
+    if not report:
         return False
-    report = json.loads(path.read_text())
     sections = [s for s in report.get("sections", []) if s.get("title") != title]
     report["sections"] = sections + [{"title": title, "markdown": markdown}]
     for key, value in (data or {}).items():
@@ -353,7 +362,7 @@ def add_section(run_dir: Path, title: str, markdown: str, data: dict[str, Any] |
             report[key] = {**report[key], **value}
         else:
             report[key] = value
-    write_text(path, json.dumps(report, indent=2) + "\n")
+    write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     plots = [p for p in PLOT_FILES if (run_dir / p).is_file()]
     write_text(run_dir / "report.md", render_markdown(report, plots))
     return True

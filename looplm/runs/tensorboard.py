@@ -57,6 +57,11 @@ class TensorBoardLog:
 
     def __init__(self, run_dir: Path, resume_step: int | None = None):
         require_tensorboard()
+        self.reopen(run_dir, resume_step)
+
+    def reopen(self, run_dir: Path, resume_step: int | None = None) -> None:
+        """A new writer on RUN/tensorboard/ (a new run folder moved into place at its first checkpoint:
+        the writer reaches its event file by path, so the earlier one is closed before the move)."""
         from torch.utils.tensorboard import SummaryWriter
         self.path = Path(run_dir) / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.path), purge_step=resume_step)

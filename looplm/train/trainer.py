@@ -26,12 +26,13 @@ from ..data import text as data_mod
 from ..data.sources import open_source
 from ..runs.tensorboard import TensorBoardLog, require_tensorboard
 from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_index, optimizer_state_for,
-                               repair_checkpoint, save_checkpoint, write_text)
+                               read_metrics, repair_checkpoint, save_checkpoint, write_text)
 from ..recipe.config import Recipe, SupervisionConfig, load_recipe
 from .depth import depth_generator, expected_depth, sample_depth
 from ..device import autocast, compiled, grad_scaler, resolve_device
 from ..errors import UserError
 from ..memory import RunMemory
+from ..outdir import Staging, is_stale_staging, refuse_foreign, staging_path
 from ..evaluation.rounds import eval_rounds_list, evaluate_rounds, extrapolation_rounds
 from ..model.losses import fixed_point_term, placement, supervised_loss
 from ..model.flops import Visits, prelude_receives_gradient, train_flops_per_token
@@ -60,10 +61,30 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 def carry_record(model: torch.nn.Module) -> dict[str, Any]:
-    """Decay injection's per-channel carries as training left them (read from the weights)."""
+    """Decay injection's per-channel carries as training left them (read from the weights; where they
+    started is the recipe's model.injection_decay_init, in report.json's recipe)."""
     a = model.carry().detach()       # build_report's model: the plain copy of the final weights, even after FSDP
-    return {"start": model.cfg.injection_decay_init, "min": a.min().item(), "mean": a.mean().item(),
-            "max": a.max().item()}
+    return {"min": a.min().item(), "mean": a.mean().item(), "max": a.max().item()}
+
+
+def depth_safety_record(recipe: Recipe, model: LoopedLM, counters: Counters,
+                        profile: dict[int, dict[str, float]] | None) -> dict[str, Any]:
+    """report.json's depth_safety: what training and the final weights did to the loop state, measured,
+    never the recipe's settings (those are in report.json's recipe). profile: evaluate_rounds(states=True)
+    on the held-out batches (None for a task run, which has none): the state's RMS and relative change per
+    round, at every depth read out, which is what a state norm, decayed injection or the fixed-point term
+    is there to keep bounded. fixed_point: how many micro-batches carried the term and its mean value;
+    carry: decay injection's carries as the weights hold them."""
+    rec: dict[str, Any] = {}
+    if profile is not None:
+        rec["state_rms_by_rounds"] = {str(r): v["state_rms"] for r, v in sorted(profile.items())}
+        rec["state_change_by_rounds"] = {str(r): v["state_change"] for r, v in sorted(profile.items())}
+    if recipe.supervision.fixed_point:
+        rec["fixed_point"] = {"micro_batches": counters.fixed_point_micro,
+                              "mean_term": counters.fixed_point_sum / max(1, counters.fixed_point_micro)}
+    if recipe.model.injection == "decay":
+        rec["carry"] = carry_record(model)
+    return rec
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, trainable_only: bool = False) -> torch.optim.AdamW:
@@ -410,20 +431,35 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     # this run's own peak memory (data, training, final evaluation), not earlier runs' in this process
     meter = RunMemory(device)
     if resume:
-        if world.main:
+        if world.main and run_dir.is_dir():
             repair_checkpoint(run_dir)               # finish or discard a swap a kill interrupted
         _barrier(world)
         if not (run_dir / "checkpoint" / "state.pt").is_file():
-            raise UserError(f"--resume: {run_dir} has no checkpoint to resume from")
+            hint = (f" (a start interrupted before its first checkpoint left {staging_path(run_dir)}, which holds "
+                    "nothing to resume: train without --resume)" if is_stale_staging(staging_path(run_dir)) else "")
+            raise UserError(f"--resume: {run_dir} has no checkpoint to resume from{hint}")
         saved = load_recipe(str(run_dir / "recipe.toml"))
         if saved.to_dict() != recipe.to_dict():
             recipe = saved  # the run's own recipe wins; --set on resume would change the experiment
     elif (run_dir / "checkpoint" / "state.pt").exists():
         raise UserError(f"--out {run_dir} already holds a run; pass --resume to continue it or choose another folder")
+    else:             # a new run: into an absent or empty folder only, so nothing of anyone's is overwritten
+        refuse_foreign(run_dir, "--out", own_kind="a looplm run (continue a run with --resume)")
     if recipe.train.tensorboard:
         require_tensorboard()                        # before any work, not at the first log line
     rows = shard(world, recipe.train.batch_size) if world.size > 1 else None   # this process's share
     _barrier(world)                                  # every process checked the folder before rank 0 writes
+    # a new run is built in RUN.partial and moved into place at its first checkpoint, from when on it can be
+    # resumed: a start that fails (bad data, bad --init weights, an interrupt before then) leaves nothing
+    with Staging(run_dir, "--out", owner=world.main, in_place=resume) as stage:
+        return _train_run(recipe, stage, resume, quiet, stop_after, init_from, world, device, meter, rows)
+
+
+def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_after: int | None,
+               init_from: str | Path | None, world: World, device: torch.device, meter: RunMemory,
+               rows: slice | None) -> dict[str, Any]:
+    """The run itself, written into stage.dir (RUN.partial until the first checkpoint moves it to RUN)."""
+    run_dir = stage.dir
     if world.main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run_dir / "recipe.toml", recipe.to_toml())
@@ -441,6 +477,10 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
     seq_len, bs = recipe.data.seq_len, recipe.train.batch_size
     sampler = (train_tokens if recipe.data.task  # task data comes with its own sampler
                else data_mod.TokenSampler(train_tokens, seq_len, bs, recipe.train.seed))
+    if not recipe.data.task and len(val_tokens) < seq_len + 1:   # refused now, not after training
+        raise UserError(f"data.path {recipe.data.path or '(the embedded corpus)'}: its validation split holds "
+                        f"{len(val_tokens)} tokens, and one window of data.seq_len {seq_len} needs {seq_len + 1}; "
+                        "use more text, a larger data.val_fraction or a shorter data.seq_len")
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe).to(device)      # initialised on the CPU: the same weights on every device and rank
     counters, start, state = Counters(), 0, None
@@ -480,11 +520,19 @@ def _train(recipe: Recipe, run_dir: Path, resume: bool, quiet: bool, stop_after:
 
     def checkpoint(step: int) -> None:
         # every process takes part in gathering (FSDP); rank 0 writes the whole checkpoint
+        nonlocal run_dir
         plain, opt_state = gather_state(model, opt, recipe, parallel, world)
         if world.main:
             save_checkpoint(run_dir, plain, {**origin, "step": step, "optimizer": opt_state,
                                              "sampler": sampler.state_dict(), "counters": counters.to_state(),
                                              "world_size": world.size})
+        if not stage.committed:       # the first checkpoint: the run is resumable, so it moves into place
+            if tb is not None:
+                tb.close()                # its event file is reopened in the moved folder
+            stage.commit()
+            run_dir = stage.dir
+            if tb is not None:
+                tb.reopen(run_dir)
         _barrier(world)
 
     total = recipe.train.steps if stop_after is None else min(recipe.train.steps, stop_after)
@@ -697,6 +745,11 @@ def _adopt_data(src: Path, run_dir: Path) -> None:
     import shutil
     if not (src / "checkpoint").is_dir():
         raise UserError(f"init run {src}: no checkpoint/ folder")
+    # checked where they lie, so a refusal names the run's own files rather than their copies
+    load_tokenizer(src / "checkpoint")
+    for split in ("train", "val"):
+        if data_mod.has_tokens(src / "data" / f"{split}.bin"):
+            data_mod.open_tokens(src / "data" / f"{split}.bin")
     (run_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
     for f in (src / "checkpoint").iterdir():
         if f.is_file() and f.name not in ("model.safetensors", "state.pt") and not f.name.startswith("."):
@@ -710,8 +763,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metric rows logged after the checkpoint we resume from (they will be logged again)."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-    write_text(path, "".join(r + "\n" for r in rows))
+    rows = [row for row in read_metrics(path.parent) if row["step"] < step]
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def placement_record(counters: Counters) -> dict[str, Any]:
@@ -733,6 +786,7 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
     model.eval()
     task: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    profile = None          # held-out loss, state RMS and change by rounds (language-model runs)
     if recipe.data.task:  # answer-token loss and exact match on held-out examples
         from ..evaluation.tasks import task_report
         task = task_report(model, recipe, sampler, val_tokens, rounds_list)
@@ -742,9 +796,9 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
                                        recipe.train.eval_batches)
         # one pass reads out every depth 1..2x the training maximum (depth extrapolation) too
         extrap = extrapolation_rounds(recipe)
-        val_all = evaluate_rounds(model, batches, sorted(set(rounds_list) | set(extrap)))
-        val = {r: val_all[r] for r in rounds_list}
-        extra = {"val_loss_extrapolation": {str(r): val_all[r]["loss"] for r in extrap}}
+        profile = evaluate_rounds(model, batches, sorted(set(rounds_list) | set(extrap)), states=True)
+        val = {r: profile[r] for r in rounds_list}
+        extra = {"val_loss_extrapolation": {str(r): profile[r]["loss"] for r in extrap}}
         sections = []    # report.md's sections for what evaluation measured (runs/ renders, never measures)
         if model.cfg.moe_experts:   # how tokens use the shared experts across visits
             from ..evaluation.routing import routing_markdown, routing_report
@@ -797,13 +851,7 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
                            "supervised_round_counts": {str(k): v for k, v in sorted(counters.supervised_rounds.items())},
                            "readout_only_round_counts": {str(k): v for k, v in sorted(counters.readout_only_rounds.items())},
                            "fallback_to_final_steps": counters.fallback_steps},
-        "depth_safety": {"state_norm": recipe.model.state_norm, "depth_kind": recipe.depth.kind,
-                         **({"fixed_point": {"weight": recipe.supervision.fixed_point,
-                                             "rounds": recipe.supervision.fixed_point_rounds,
-                                             "micro_batches": counters.fixed_point_micro,
-                                             "mean_term": counters.fixed_point_sum / max(1, counters.fixed_point_micro)}}
-                            if recipe.supervision.fixed_point else {}),
-                         **({"carry": carry_record(model)} if recipe.model.injection == "decay" else {})},
+        "depth_safety": depth_safety_record(recipe, model, counters, profile),
         **({"exit_gate": {"steps_with_gradient": counters.gate_grad_steps, "steps": len(counters.losses),
                           "parameters": sum(p.numel() for p in model.gate.parameters())}}
            if model.gate is not None else {}),
