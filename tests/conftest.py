@@ -128,3 +128,15 @@ def uvicorn_in_thread(app, **options):
         server.should_exit = True
         thread.join(timeout=15)
         sock.close()
+
+
+def save_untrained_run(path, overrides=None):
+    """A run folder at `path` holding an untrained quickstart model (TINY unless `overrides`) and the byte
+    tokenizer: enough for the commands that load a run (serve, generate) when training is beside the point."""
+    from looplm.data.tokenizer import ByteTokenizer
+    from looplm.runs.checkpoint import save_checkpoint, write_text
+    recipe = looplm.load_recipe("quickstart", overrides=TINY if overrides is None else overrides)
+    save_checkpoint(path, looplm.build_model(recipe), {"step": 0})
+    ByteTokenizer().save(path / "checkpoint")
+    write_text(path / "recipe.toml", recipe.to_toml())
+    return path

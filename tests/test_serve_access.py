@@ -25,7 +25,7 @@ from looplm.data.tokenizer import ByteTokenizer
 from looplm.inference.engine import Engine
 from looplm.serve import ServeLimits, create_app, exposure_warning, is_loopback
 
-from conftest import uvicorn_in_thread
+from conftest import save_untrained_run, uvicorn_in_thread
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
         "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
@@ -133,12 +133,8 @@ def test_serve_prints_the_warning_and_takes_the_limit_flags(tmp_path, monkeypatc
     import uvicorn
 
     from looplm.cli import main
-    from looplm.runs.checkpoint import save_checkpoint, write_text
 
-    recipe = looplm.load_recipe("quickstart", overrides=TINY)
-    save_checkpoint(tmp_path, looplm.build_model(recipe), {"step": 0})
-    ByteTokenizer().save(tmp_path / "checkpoint")
-    write_text(tmp_path / "recipe.toml", recipe.to_toml())
+    save_untrained_run(tmp_path, TINY)
     bound: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: bound.append({"app": app, **kw}))
     monkeypatch.delenv("LOOPLM_API_KEY", raising=False)

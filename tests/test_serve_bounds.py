@@ -31,7 +31,7 @@ from looplm.inference.engine import Engine
 from looplm.serve import ServeLimits, create_app
 from looplm.serve_bounds import uvicorn_options
 
-from conftest import uvicorn_in_thread
+from conftest import save_untrained_run, uvicorn_in_thread
 
 TINY = {"model.d_model": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
         "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 3, "data.seq_len": 32}
@@ -330,16 +330,12 @@ def test_the_flags_reach_uvicorn_and_the_app(tmp_path, monkeypatch):
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     from looplm.cli import build_parser, main
-    from looplm.runs.checkpoint import save_checkpoint, write_text
 
     args = build_parser().parse_args(["serve", "run"])
     defaults = ServeLimits()
     for name in ("header_timeout", "body_timeout", "max_connections", "keep_alive"):
         assert getattr(args, name) == getattr(defaults, name), name
-    recipe = looplm.load_recipe("quickstart", overrides=TINY)
-    save_checkpoint(tmp_path, looplm.build_model(recipe), {"step": 0})
-    ByteTokenizer().save(tmp_path / "checkpoint")
-    write_text(tmp_path / "recipe.toml", recipe.to_toml())
+    save_untrained_run(tmp_path, TINY)
     bound: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: bound.append({"app": app, **kw}))
     monkeypatch.delenv("LOOPLM_API_KEY", raising=False)
