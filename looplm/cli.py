@@ -259,7 +259,8 @@ def _eval_contrast(model: Any, batches: Any, contrast: tuple[int, float], depth:
     tokens' cached coda entries, which are their round-R ones (one coda slot, last write wins), so no
     round-synchronous pass computes it: the windows are decoded column by column through the Engine's chunks
     (as eval --exit does for readout-deciding policies). The initial-state generator is seeded as
-    evaluate_rounds seeds it, so the plain loss equals its loss at `depth`."""
+    evaluate_rounds seeds it (rounds.batch_generator), so the plain loss equals its loss at `depth`."""
+    from .evaluation.rounds import batch_generator
     import math
     import torch
     from .inference.engine import Engine, GenerationConfig, contrast_logits
@@ -276,7 +277,7 @@ def _eval_contrast(model: Any, batches: Any, contrast: tuple[int, float], depth:
     with torch.no_grad():
         for x, y in batches:
             x, y = x.to(device), y.to(device)                                                  # (B, T) each
-            s0 = model.loop_inputs(x, generator=torch.Generator().manual_seed(count))[2]       # (B, T, d)
+            s0 = model.loop_inputs(x, generator=batch_generator(count))[2]                     # (B, T, d)
             out = model(x, depth, readout_rounds=(r, depth), initial_state=s0)
             plain = out.round_logits[depth]                                                    # (B, T, V)
             if engine is None:

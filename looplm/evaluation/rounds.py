@@ -36,7 +36,8 @@ def batch_generator(tokens_before: int) -> torch.Generator:
     tokens scored in the batches before it. A random initial state (model.init_state = "random") is then the
     same noise every time the same batches are scored, and every evaluation that reads out the plain model
     on them draws it so: `eval --rounds` (evaluate_rounds), `--exit`'s fixed:R, feedback's pass 1
-    (evaluation/feedback.py), so their numbers for the same function are the same number."""
+    (evaluation/feedback.py), `eval --contrast`'s plain figures (cli._eval_contrast), so their numbers for
+    the same function are the same number."""
     return torch.Generator().manual_seed(tokens_before)
 
 
