@@ -98,11 +98,27 @@ class BPETokenizer:
 class PretrainedTokenizer:
     """A pretrained model's own tokenizer (`tokenizer.json`, e.g. brought in by `looplm import`), used as
     it is: encode adds no special tokens (documents are joined with `eos_id` as every looplm stream is),
-    `bos_id` is kept for callers that want the model's start-of-text token."""
+    `bos_id` is kept for callers that want the model's start-of-text token. `chat_template` is the model's
+    Jinja chat template (a chat model's; None for a base model): `apply_chat` renders messages with it."""
 
-    def __init__(self, tokenizer: Tokenizer, eos_id: int, bos_id: int | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_id: int, bos_id: int | None = None,
+                 chat_template: str | None = None) -> None:
         self._tok, self.eos_id, self.bos_id = tokenizer, int(eos_id), bos_id
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        if chat_template is not None:
+            from .chat import compile_template
+            compile_template(chat_template, "the tokenizer's chat_template")     # refused now, not at a request
+
+    def apply_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role", "content"}]) through the chat template, ending where the
+        assistant's reply begins (UserError when the model has no template or the template refuses them)."""
+        from .chat import render_chat
+        if self.chat_template is None:
+            raise UserError("this model has no chat template (a base model): send a plain prompt instead")
+        special = {"eos_token": self._tok.id_to_token(self.eos_id),
+                   "bos_token": self._tok.id_to_token(self.bos_id) if self.bos_id is not None else None}
+        return render_chat(self.chat_template, messages, add_generation_prompt, special)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -129,7 +145,8 @@ class PretrainedTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / BPE_FILE))
-        _write_config(directory, "pretrained", eos_id=self.eos_id, bos_id=self.bos_id)
+        _write_config(directory, "pretrained", eos_id=self.eos_id, bos_id=self.bos_id,
+                      **({"chat_template": self.chat_template} if self.chat_template is not None else {}))
 
 
 AnyTokenizer = ByteTokenizer | BPETokenizer | PretrainedTokenizer
@@ -216,7 +233,11 @@ def load_tokenizer(directory: str | Path) -> AnyTokenizer:
         if not _is_id(eos) or not (bos is None or _is_id(bos)):
             raise UserError(f"{config_path}: a pretrained tokenizer's config needs its eos_id (and bos_id, when "
                             f"given) as token ids, got eos_id {eos!r}, bos_id {bos!r}")
-        tok = PretrainedTokenizer(read_tokenizer_file(directory / BPE_FILE), eos, bos)
+        template = config.get("chat_template")
+        if not (template is None or isinstance(template, str)):
+            raise UserError(f"{config_path}: chat_template must be a string (a Jinja template), got "
+                            f"{type(template).__name__}")
+        tok = PretrainedTokenizer(read_tokenizer_file(directory / BPE_FILE), eos, bos, template)
         if max(eos, bos or 0) >= tok.vocab_size:
             raise UserError(f"{config_path}: eos_id {eos} / bos_id {bos} outside {directory / BPE_FILE}'s "
                             f"{tok.vocab_size} ids")
@@ -228,7 +249,7 @@ def _is_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _write_config(directory: Path, kind: str, **extra: int | None) -> None:
+def _write_config(directory: Path, kind: str, **extra: int | str | None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps({"kind": kind, **extra}) + "\n", encoding="utf-8")
 

@@ -103,16 +103,20 @@ def _is_int(v: Any) -> bool:
 
 
 def read_config(hf_dir: Path) -> dict[str, Any]:
-    """HF_DIR/config.json, checked: a JSON object of a supported family whose sizes are positive integers
-    (UserError naming the file and the key otherwise); the one reader of an import's config."""
+    """HF_DIR/config.json, checked (`check_config`); the one reader of an HF import's config."""
     from ..files import read_json_object
     path = hf_dir / "config.json"
     if not path.is_file():
         raise UserError(f"{hf_dir}: no config.json (expected a Hugging Face model folder)")
-    cfg = read_json_object(path, "a Hugging Face model config")
+    return check_config(read_json_object(path, "a Hugging Face model config"), path)
+
+
+def check_config(cfg: dict[str, Any], path: Path | str) -> dict[str, Any]:
+    """`cfg` (config.json's keys, or a GGUF file's metadata in those keys) as a supported family whose sizes
+    are positive integers; UserError naming `path` and the key otherwise."""
     kind = cfg.get("model_type")
     if kind == "gemma3" and "text_config" in cfg:
-        raise UserError(f"{hf_dir}: a Gemma 3 vision-language checkpoint; import its text model "
+        raise UserError(f"{path}: a Gemma 3 vision-language checkpoint; import its text model "
                         "(Gemma3ForCausalLM, model_type gemma3_text)")
     if kind not in FAMILIES:
         raise UserError(f"{path}: model_type {kind!r} cannot be imported (supported: {', '.join(FAMILIES)})")
@@ -318,10 +322,57 @@ def _layer_state(w: Weights, layer: int, gemma: bool, shapes: dict[str, torch.Si
     return out
 
 
+@dataclass
+class Source:
+    """A pretrained model as the import reads it, whatever its file format: the config in config.json's keys,
+    tensors under HF's names (`Weights` or `gguf_import.GGUFWeights`: `get`, `in`, `layers`), its tokenizer."""
+
+    cfg: dict[str, Any]
+    config_where: str            # what a message about the config names: DIR/config.json, or FILE.gguf
+    weights: Any
+    tokenizer: Any               # data.tokenizer.PretrainedTokenizer
+    tokenizer_where: str         # DIR/tokenizer.json, or FILE.gguf
+    name: str
+    record: dict[str, Any]       # what import.json adds for this format
+
+
+def open_hf(hf_dir: Path) -> Source:
+    """A Hugging Face model folder: config.json, *.safetensors, tokenizer.json (+ generation_config.json,
+    tokenizer_config.json's chat template)."""
+    from ..data.tokenizer import PretrainedTokenizer, read_tokenizer_file
+    cfg = read_config(hf_dir)
+    tok_file = hf_dir / "tokenizer.json"
+    w = Weights(hf_dir)
+    if not tok_file.is_file():
+        raise UserError(f"{hf_dir}: no tokenizer.json (looplm reads fast tokenizers; save one with "
+                        "AutoTokenizer.from_pretrained(...).save_pretrained)")
+    eos, bos = _special_ids(hf_dir, cfg)
+    tok = PretrainedTokenizer(read_tokenizer_file(tok_file), eos, bos, _chat_template(hf_dir))
+    return Source(cfg, str(hf_dir / "config.json"), w, tok, str(tok_file), hf_dir.resolve().name,
+                  {"source": str(hf_dir.resolve()), "format": "hf"})
+
+
+def open_source(path: Path) -> Source:
+    """An HF folder, a .gguf file, or a folder holding no config.json and one .gguf file."""
+    from .gguf_import import open_gguf
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return open_gguf(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such folder or .gguf file (expected a Hugging Face model folder or a GGUF file)")
+    if not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return open_gguf(found[0])
+        if len(found) > 1:
+            raise UserError(f"{path}: holds {len(found)} .gguf files ({', '.join(f.name for f in found[:4])}); "
+                            "name the one to import")
+    return open_hf(path)
+
+
 def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None, core: str | None = None,
               coda: int | None = None, rounds: int = 1, core_blocks: int = 0, context: int | None = None) -> Path:
-    """Write the run folder `out` from the Hugging Face model in `hf_dir` (see the module docstring)."""
-    from ..data.tokenizer import PretrainedTokenizer, read_tokenizer_file
+    """Write the run folder `out` from the pretrained model at `hf_dir`: a Hugging Face folder or a GGUF file
+    (see the module docstring)."""
     from ..model.looped import build_model
     from ..outdir import Staging, refuse_foreign
     from ..recipe.config import recipe_from_dict
@@ -331,15 +382,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None
     if (out / "checkpoint" / "state.pt").exists():
         raise UserError(f"--out {out} already holds a run; choose another folder")
     refuse_foreign(out, "--out")      # a new run folder: absent or empty (see the module docstring)
-    if not hf_dir.is_dir():
-        raise UserError(f"{hf_dir}: no such folder (expected a Hugging Face model folder)")
-    cfg = read_config(hf_dir)
+    src = open_source(hf_dir)
+    cfg, w = src.cfg, src.weights
     where = f"{hf_dir} ({cfg['model_type']})"
-    fields, notes = model_fields(cfg, context, f"{hf_dir / 'config.json'} ({cfg['model_type']})")
-    w = Weights(hf_dir)
+    fields, notes = model_fields(cfg, context, f"{src.config_where} ({cfg['model_type']})")
     layers = w.layers()
     if layers != int(cfg["num_hidden_layers"]):
-        raise UserError(f"{where}: weights hold {layers} layers, config.json says {cfg['num_hidden_layers']}")
+        raise UserError(f"{where}: weights hold {layers} layers, the config says {cfg['num_hidden_layers']}")
     layout = parse_layout(layers, prelude, core, coda, rounds, core_blocks)
     for part in ("o_proj.bias", "gate_proj.bias", "up_proj.bias", "down_proj.bias"):
         if f"layers.0.{'self_attn' if part == 'o_proj.bias' else 'mlp'}.{part}" in w:
@@ -362,47 +411,53 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None
         blocks = tuple(pos for pos, src in enumerate(sources) if src[0] in local)
         if blocks:
             fields.update(local_rope_base=notes["local_rope_base"], local_blocks=blocks)
-    tok_file = hf_dir / "tokenizer.json"
-    if not tok_file.is_file():
-        raise UserError(f"{hf_dir}: no tokenizer.json (looplm reads fast tokenizers; save one with "
-                        "AutoTokenizer.from_pretrained(...).save_pretrained)")
-    eos, bos = _special_ids(hf_dir, cfg)
-    tok = read_tokenizer_file(tok_file)
-    ids = tok.get_vocab_size(with_added_tokens=True)
+    tok = src.tokenizer
+    eos, bos, ids = tok.eos_id, tok.bos_id, tok.vocab_size
     if ids > fields["vocab_size"] or not all(t is None or 0 <= t < fields["vocab_size"] for t in (eos, bos)):
-        raise UserError(f"{tok_file}: {ids} token ids (eos {eos}, bos {bos}) do not fit config.json's vocab_size "
-                        f"{fields['vocab_size']}; the tokenizer is not this model's")
+        raise UserError(f"{src.tokenizer_where}: the tokenizer's {ids} token ids (eos {eos}, bos {bos}) do not fit the config's "
+                        f"vocab_size {fields['vocab_size']}; the tokenizer is not this model's")
     seq_len = min(fields["context"], 256)
     try:
         recipe = recipe_from_dict({
-            "name": f"import-{hf_dir.resolve().name}", "model": fields,
+            "name": f"import-{src.name}", "model": fields,
             "depth": {"kind": "fixed", "rounds": layout.rounds},
             "data": {"tokenizer": "pretrained", "seq_len": seq_len},
         })
     except UserError as err:      # a size the config sets that looplm's model refuses: name the file too
-        raise UserError(f"{hf_dir / 'config.json'}: {err}") from None
+        raise UserError(f"{src.config_where}: {err}") from None
     model = build_model(recipe)
     state = model.state_dict()
     shapes = {n.split(".", 2)[2]: t.shape for n, t in state.items() if n.startswith("core.0.")}
-    new: dict[str, torch.Tensor] = {
-        "embed.weight": w.get("embed_tokens.weight", state["embed.weight"].shape),
-        "final_norm.weight": w.get("norm.weight", state["final_norm.weight"].shape) + (1.0 if gemma else 0.0)}
-    if untied:
-        new["head.weight"] = w.get("lm_head.weight", state["head.weight"].shape)
-    for b in range(layout.prelude):
-        new.update({f"prelude.{b}.{n}": t for n, t in _layer_state(w, b, gemma, shapes).items()})
-    for b in range(k):                  # core block b: the mean of layers i + g*k + b over the span's groups
-        group = [_layer_state(w, i + g * k + b, gemma, shapes) for g in range((j - i) // k)]
-        new.update({f"core.{b}.{n}": torch.stack([s[n] for s in group]).mean(0) for n in group[0]})
-    for b in range(layout.coda):
-        new.update({f"coda.{b}.{n}": t for n, t in _layer_state(w, layers - layout.coda + b, gemma, shapes).items()})
-    new["head.weight"] = new.get("head.weight", new["embed.weight"])     # tied: the same tensor
-    missing = sorted(set(state) - set(new))
+    filled: set[str] = set()
+
+    def put(name: str, t: torch.Tensor) -> None:
+        """Copy one pretrained tensor into the model as it is read: the import holds the model and one
+        tensor, not a second copy of the weights."""
+        state[name].copy_(t)
+        filled.add(name)
+
+    with torch.no_grad():
+        put("embed.weight", w.get("embed_tokens.weight", state["embed.weight"].shape))
+        put("final_norm.weight", w.get("norm.weight", state["final_norm.weight"].shape) + (1.0 if gemma else 0.0))
+        if untied:
+            put("head.weight", w.get("lm_head.weight", state["head.weight"].shape))
+        else:                               # tied: the head is the embedding's own tensor
+            filled.add("head.weight")
+        for b in range(layout.prelude):
+            for n, t in _layer_state(w, b, gemma, shapes).items():
+                put(f"prelude.{b}.{n}", t)
+        for b in range(k):                  # core block b: the mean of layers i + g*k + b over the span's groups
+            group = [_layer_state(w, i + g * k + b, gemma, shapes) for g in range((j - i) // k)]
+            for n in group[0]:
+                put(f"core.{b}.{n}", torch.stack([s[n] for s in group]).mean(0))
+        for b in range(layout.coda):
+            for n, t in _layer_state(w, layers - layout.coda + b, gemma, shapes).items():
+                put(f"coda.{b}.{n}", t)
+    missing = sorted(set(state) - filled)
     if missing:
         raise UserError(f"{where}: no pretrained weights for {missing[:4]}")
-    model.load_state_dict(new)
 
-    record = {"source": str(hf_dir.resolve()), "family": notes["family"], "model_type": cfg["model_type"],
+    record = {**src.record, "family": notes["family"], "model_type": cfg["model_type"],
               "layers": layers, "prelude": list(range(layout.prelude)), "core": list(range(i, j)),
               "core_blocks": k, "coda": list(range(layers - layout.coda, layers)),
               "dropped": layout.dropped(layers), "rounds": layout.rounds, "context": fields["context"],
@@ -410,7 +465,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, prelude: int | None = None
               "local_layers": notes["local_layers"], "local_rope_base": notes["local_rope_base"] or None}
     with Staging(out, "--out") as stage:        # the run folder appears whole, or not at all
         write_text(stage.dir / "recipe.toml", recipe.to_toml())
-        PretrainedTokenizer(tok, eos, bos).save(stage.dir / "checkpoint")
+        tok.save(stage.dir / "checkpoint")
         save_checkpoint(stage.dir, model, {"step": 0, "imported": record})
         write_text(stage.dir / "import.json", json.dumps(record, indent=2) + "\n")
         stage.commit()
@@ -439,3 +494,25 @@ def _special_ids(hf_dir: Path, cfg: dict[str, Any]) -> tuple[int, int | None]:
     if eos is None:
         raise UserError(f"{hf_dir}: config.json names no eos_token_id (looplm separates documents with it)")
     return eos, first("bos_token_id")
+
+
+def _chat_template(hf_dir: Path) -> str | None:
+    """The chat template of an HF folder: chat_template.jinja (transformers 5 writes it there), else
+    tokenizer_config.json's chat_template (a string; a list of named templates: the "default" one)."""
+    from ..files import read_json_object
+    jinja = hf_dir / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"{jinja}: cannot read it as UTF-8 text ({type(err).__name__})") from None
+    cfg_file = hf_dir / "tokenizer_config.json"
+    if not cfg_file.is_file():
+        return None
+    template = read_json_object(cfg_file, "a tokenizer config").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise UserError(f"{cfg_file}: chat_template must be a string (a Jinja template)")
+    return template
