@@ -1,6 +1,10 @@
 """`looplm serve RUN`: an OpenAI-compatible completions server over the cached engine.
 
     POST /v1/completions   {"prompt": "...", "max_tokens": 32, "temperature": 0, "stream": false, ...}
+    POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...}: the messages through
+                           the model's chat template (an imported chat model's; data/chat.py), then the same
+                           sampling, limits, key and scheduler as a completion; streamed as
+                           chat.completion.chunk deltas (the first names the role)
     GET  /v1/models        the one model this server holds, with what every request runs (rounds,
                            exit policy, cache policies, speculation, prefill chunk)
     GET  /tokenizer_info, POST /tokenize, POST /detokenize   the model's tokenizer (vLLM's shapes)
@@ -205,6 +209,38 @@ class CompletionRequest(BaseModel):
     """Accepted only as n (or absent): choosing the best of more samples is not done here."""
     suffix: str | None = None
     """Accepted only empty: completions do not insert text before a suffix."""
+
+
+class ChatRequest(BaseModel):
+    """The body of POST /v1/chat/completions (OpenAI's chat fields; unknown ones are ignored, the ones this
+    server cannot honour are refused): the messages go through the model's chat template, then the same
+    sampling, limits and scheduler as a completion."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    messages: list[Any]
+    """[{"role": "system"|"user"|"assistant", "content": text or text parts}], checked by data/chat.py."""
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    """OpenAI's newer name for max_tokens (either; both must agree). Neither: up to the server's limit."""
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    n: StrictInt = Field(1, ge=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    tools: list[Any] | None = None
+    """Refused when given: this server calls no tools."""
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"}: no constrained (JSON) decoding here."""
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -557,6 +593,56 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _error(400, f"tokens: token ids must lie in [0, {engine.cfg.vocab_size})", "tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
+    def _busy() -> Any:
+        return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
+                      None, "rate_limit_error")
+
+    def start_rows(prompt_of: list[list[int]], params_of: list[SamplingParams], request: Request,
+                   stream: bool) -> Any:
+        """Submit one row per prompt to the scheduler; the async iterator of (row index, TokenEvent) until
+        every row finished (raising the engine's error, or _ClientGone as soon as a client waiting for a
+        whole response disconnects; a closed stream ends its generator instead), or None when the server
+        is busy. The one path from a request to the scheduler, for completions and chat alike."""
+        n_rows = len(prompt_of)
+        if not sched.try_reserve(n_rows):
+            return None
+        events: asyncio.Queue = asyncio.Queue()
+        mine = []
+        for i in range(n_rows):
+            def send(ev: Any, i: int = i) -> None:
+                events.put_nowait((i, ev))
+            mine.append(Row(ids=prompt_of[i], params=params_of[i], send=send))
+            sched.submit(mine[-1])
+        wake.set()
+
+        def on_gone(watch: asyncio.Task) -> None:
+            if not watch.cancelled():
+                watch.exception()            # a receive() that failed: the connection is gone too
+                events.put_nowait((-1, _GONE))
+
+        async def rows() -> Any:
+            left = n_rows
+            watch = None if stream else asyncio.create_task(_until_disconnect(request.receive))
+            if watch is not None:
+                watch.add_done_callback(on_gone)
+            try:
+                while left:
+                    i, ev = await events.get()
+                    if ev is _GONE:
+                        raise _ClientGone()
+                    if isinstance(ev, Exception):
+                        raise ev
+                    if ev.finish_reason:
+                        left -= 1
+                    yield i, ev
+            finally:                 # done, or the client went away: the scheduler may stop these rows
+                if watch is not None:
+                    watch.cancel()
+                for r in mine:
+                    r.cancelled = True
+                sched.release(n_rows)
+        return rows()
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.model not in (None, model_name):
@@ -609,53 +695,15 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
         def usage(n_out: int) -> dict[str, int]:
             return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-        if not sched.try_reserve(n_rows):
-            return _error(429, f"server busy: more than {limits.max_concurrent} prompts in flight; retry later",
-                          None, "rate_limit_error")
-        events: asyncio.Queue = asyncio.Queue()
-        mine = []
-        for i in range(n_rows):
-            def send(ev: Any, i: int = i) -> None:
-                events.put_nowait((i, ev))
-            mine.append(Row(ids=prompt_of[i], params=params[i % req.n], send=send))
-            sched.submit(mine[-1])
-        wake.set()
-
-        def on_gone(watch: asyncio.Task) -> None:
-            if not watch.cancelled():
-                watch.exception()            # a receive() that failed: the connection is gone too
-                events.put_nowait((-1, _GONE))
-
-        async def rows() -> Any:
-            """(choice index, TokenEvent) until every row finished; raises the engine's error, or
-            _ClientGone as soon as a client waiting for a whole response disconnects (a closed
-            stream ends its generator instead)."""
-            left = n_rows
-            watch = None if req.stream else asyncio.create_task(_until_disconnect(request.receive))
-            if watch is not None:
-                watch.add_done_callback(on_gone)
-            try:
-                while left:
-                    i, ev = await events.get()
-                    if ev is _GONE:
-                        raise _ClientGone()
-                    if isinstance(ev, Exception):
-                        raise ev
-                    if ev.finish_reason:
-                        left -= 1
-                    yield i, ev
-            finally:                 # done, or the client went away: the scheduler may stop these rows
-                if watch is not None:
-                    watch.cancel()
-                for r in mine:
-                    r.cancelled = True
-                sched.release(n_rows)
+        rows = start_rows(prompt_of, [params[i % req.n] for i in range(n_rows)], request, req.stream)
+        if rows is None:
+            return _busy()
 
         if req.stream:
             async def sse() -> Any:
                 started, n_out = [False] * n_rows, 0
                 try:
-                    async for i, ev in rows():
+                    async for i, ev in rows:
                         if req.echo and not started[i]:             # the prompt, with the first token's figures
                             started[i] = True
                             text, lp = out.echo(i, ev)
@@ -678,7 +726,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
         evs: list[list[Any]] = [[] for _ in range(n_rows)]
         try:
-            async for i, ev in rows():
+            async for i, ev in rows:
                 evs[i].append(ev)
         except _ClientGone:
             return _error(499, "client closed the request", None, "client_closed")     # nobody reads this
@@ -692,6 +740,112 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                             "finish_reason": "length" if scoring else evs[i][-1].finish_reason,
                             "rounds_used": [ev.rounds for ev in shown]})
         return body(choices, usage=usage(0 if scoring else sum(map(len, evs))))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request) -> Any:
+        if req.model not in (None, model_name):
+            return _error(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                          "model", "not_found_error")
+        if req.tools:
+            return _error(400, "tools: tool calls are not supported by this server", "tools")
+        if req.response_format not in (None, {"type": "text"}):
+            return _error(400, "response_format: only {\"type\": \"text\"} (no constrained decoding)",
+                          "response_format")
+        if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
+            return _error(400, "max_completion_tokens: disagrees with max_tokens (send one)", "max_completion_tokens")
+        if req.top_logprobs is not None and not req.logprobs:
+            return _error(400, "top_logprobs: only with logprobs: true", "top_logprobs")
+        if req.n > limits.max_n or req.n > limits.max_batch:
+            return _error(400, f"n: {req.n} exceeds this server's limit of {min(limits.max_n, limits.max_batch)}", "n")
+        if req.stream_options is not None and not req.stream:
+            return _error(400, "stream_options: only with stream: true", "stream_options")
+        asked = req.max_tokens or req.max_completion_tokens
+        if asked is not None and asked > limits.max_tokens:
+            return _error(400, f"max_tokens: {asked} exceeds this server's limit of {limits.max_tokens}", "max_tokens")
+        try:
+            if not hasattr(engine.tokenizer, "apply_chat"):
+                raise UserError("messages: this model has no chat template (its tokenizer is looplm's own); "
+                                "use /v1/completions")
+            text = engine.tokenizer.apply_chat(req.messages)
+            ids = engine.token_ids([text])[0]
+            if len(ids) > max_prompt:
+                raise UserError(f"messages: {len(ids)} tokens exceeds the limit of {max_prompt}")
+            room = ctx - len(ids)           # positions left for the reply (its last token is never fed back)
+            max_tokens = asked if asked is not None else min(limits.max_tokens, room + 1)
+            if positions_run(len(ids), max_tokens) > ctx:
+                raise UserError(f"messages: {len(ids)} tokens + max_tokens {max_tokens} exceed the model "
+                                f"context of {ctx}")
+            seed = _seed(req.seed, req.temperature)
+            bias = logit_bias(req.logit_bias)
+            top = req.top_logprobs if req.logprobs else None
+            params = [SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                     top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                     logit_bias=bias, stop=() if req.stop is None else req.stop, seed=seed + j,
+                                     logprobs=(top or 0) if req.logprobs else None)
+                      for j in range(req.n)]
+        except UserError as err:
+            field = str(err).split(" ")[0].rstrip(":").split("[")[0].split(".")[0]
+            return _error(400, str(err), field)
+        rows = start_rows([ids] * req.n, params, request, req.stream)
+        if rows is None:
+            return _busy()
+        rid, name, n_prompt = f"chatcmpl-{uuid.uuid4().hex[:24]}", model_name, len(ids)
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
+                    "choices": choices, **extra}
+
+        def usage(n_out: int) -> dict[str, int]:
+            return {"prompt_tokens": n_prompt * req.n, "completion_tokens": n_out,
+                    "total_tokens": n_prompt * req.n + n_out}
+
+        def logprobs(evs: list[Any]) -> dict[str, Any] | None:
+            """OpenAI's chat shape: per token its text, log-probability, bytes and the likeliest."""
+            if not req.logprobs:
+                return None
+            def entry(t: int, lp: float | None) -> dict[str, Any]:
+                piece = _token_text(engine.tokenizer, t)
+                raw = engine.tokenizer.token_bytes(t) if hasattr(engine.tokenizer, "token_bytes") else piece.encode()
+                return {"token": piece, "logprob": lp, "bytes": list(raw)}
+            return {"content": [{**entry(ev.token, ev.logprob),
+                                 "top_logprobs": [entry(a, v) for a, v in (ev.top_logprobs or [])]} for ev in evs]}
+
+        if req.stream:
+            async def sse() -> Any:
+                n_out = 0
+                started = [False] * req.n
+                try:
+                    async for i, ev in rows:
+                        delta: dict[str, Any] = {"content": ev.text}
+                        if not started[i]:        # OpenAI's first delta of a choice names the role
+                            started[i] = True
+                            delta = {"role": "assistant", **delta}
+                        n_out += 1
+                        choice = {"index": i, "delta": delta, "logprobs": logprobs([ev]),
+                                  "finish_reason": ev.finish_reason}
+                        yield f"data: {json.dumps(chunk([choice]))}\n\n"
+                except Exception as err:
+                    yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
+                else:
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        yield f"data: {json.dumps(chunk([], usage=usage(n_out)))}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        evs: list[list[Any]] = [[] for _ in range(req.n)]
+        try:
+            async for i, ev in rows:
+                evs[i].append(ev)
+        except _ClientGone:
+            return _error(499, "client closed the request", None, "client_closed")     # nobody reads this
+        except Exception as err:
+            return _error(500, f"generation failed: {err}", None, "server_error")
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(ev.text for ev in e)},
+                    "logprobs": logprobs(e), "finish_reason": e[-1].finish_reason,
+                    "rounds_used": [ev.rounds for ev in e]} for i, e in enumerate(evs)]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
+                "choices": choices, "usage": usage(sum(map(len, evs)))}
 
     return app
 

