@@ -440,14 +440,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if run.model.feedback is not None:
             raise UserError("--no-cache: the plain reference has no full-bandwidth feedback; decode this feedback "
                             "run through the cached engine (--prompt-mode standard|soft|fused)")
-        result = generate_text(run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               seed=args.seed, rounds=rounds)
+        result = generate_text(run, _prompt_text(run, args), max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, seed=args.seed, rounds=rounds)
     else:
         run = load_run(args.run, device=args.device)
-        result = generate_for_run(run, args.prompt, max_new_tokens=args.max_new_tokens,
+        result = generate_for_run(run, _prompt_text(run, args), max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, seed=args.seed, rounds=args.rounds, **options)
     _emit(result, args.json, result["text"])
     return 0
+
+
+def _prompt_text(run: Any, args: argparse.Namespace) -> str:
+    """generate's prompt: as it is, or with --chat a user message through the model's chat template (what
+    /v1/chat/completions sends for the same message)."""
+    if not args.chat:
+        return args.prompt
+    if not hasattr(run.tokenizer, "apply_chat"):
+        raise UserError(f"--chat: {args.run} has looplm's own tokenizer, no chat template (an imported chat model "
+                        "has one)")
+    return run.tokenizer.apply_chat([{"role": "user", "content": args.prompt}])
 
 
 def _contrast_spec(args: argparse.Namespace) -> tuple[int, float] | None:
@@ -940,6 +951,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample a continuation")
     g.add_argument("run")
     g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat "
+                                                       "template (an imported chat model's, e.g. SmolLM2-Instruct)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
