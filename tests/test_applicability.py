@@ -51,6 +51,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "data.length_unit": [("", {}), ("tokens", {}), ("items", {"data.item_separator": "; "})],
     "supervision.fixed_point": [(0.0, {}), (0.5, {})],
     "model.injection": [("add", {}), ("decay", {}), ("concat", {}), ("none", {"model.init_state": "prelude"})],
+    "model.round_update": [("plain", {}), ("damped", {}), ("euler", {})],
 }
 
 

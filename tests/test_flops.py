@@ -61,7 +61,11 @@ CASES = [({}, None, "final", 3, 1, True),                    # injection "add": 
          ({"model.injection": "concat", "model.init_state": "zeros"}, None, "final", 3, 1, True),
          # a routed loop (Mixture-of-Recursions) injects through the same once-a-forward term
          ({"model.injection": "concat", "model.init_state": "prelude", "model.mor": "token_choice"},
-          None, "final", 3, 1, True)]
+          None, "final", 3, 1, True),
+         # Euler sub-steps: rounds 2 and 3 visit each core block 3 times (forward and, in the window, backward)
+         ({"model.round_update": "euler", "model.round_substeps": 3}, None, "final", 3, 1, True),
+         ({"model.round_update": "euler", "model.round_substeps": 2}, 2, "final", 2, 1, True),
+         ({"model.round_update": "damped", "model.round_eta": 0.3}, None, "final", 3, 1, True)]
 
 
 @pytest.mark.parametrize("over,window,sup,grad_rounds,readouts,prelude_grad", CASES)

@@ -165,6 +165,10 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.cfg = model.cfg
         self.feedback = getattr(model, "feedback", None) is not None     # prompt modes (SamplingParams)
+        if self.cfg.round_update == "euler":
+            raise UserError("model.round_update = euler: the cached engine holds one key/value entry per block "
+                            "visit and Euler sub-steps visit each core block k times a round; evaluate it with "
+                            "whole-sequence forwards (looplm eval, lm-eval, generate --no-cache)")
         if getattr(model, "mor_router", None) is not None:
             config = self._routed_config(config, model)
             self.config = config

@@ -7,6 +7,7 @@ deduplicating reused matrices understates compute. So the count goes by visits:
                  (the products, then QK^T and AV against L keys; in an MoE core the router and
                  the k chosen experts, not all E: what one token's visit applies)
     forward    = n_prelude * block + R * (n_core * block + adapter + gate) + adapter
+                 + (R - 1) * (k - 1) * n_core * block   (Euler sub-steps, k a block's visits a round after the first)
                  + readouts * (n_coda * block + share * head)    head = 2 * d_model * vocab
     backward   = 2 * (prelude if gradient reaches it + G * (n_core * block + adapter) + adapter
                       + gate rounds * gate + readouts with a loss * (n_coda * block + share * head))
@@ -90,11 +91,16 @@ def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False, input_
     readout = cfg.n_coda * blk + head * visits.head_share
     router_fwd, router_bwd = router_flops(cfg, visits)
     fwd = cfg.n_prelude * blk + router_fwd + visits.rounds * (core_round + gate) + once + visits.readouts * readout
+    # Euler sub-steps (model.round_update = euler): every round after the first visits each core block k times
+    k = getattr(cfg, "round_substeps", 1) if getattr(cfg, "round_update", "plain") == "euler" else 1
+    substeps = (k - 1) * cfg.n_core * block_flops(cfg, keys, core=True)
+    fwd += max(visits.rounds - 1, 0) * substeps
     # W_s s's input gradient is not computed where the state entering the window's first round is a constant
     skipped = once if visits.grad_rounds and state_enters_constant(cfg, visits) else 0.0
     bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round
                + (once if visits.grad_rounds else 0.0)
-               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout) + router_bwd - skipped
+               + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout
+               + min(visits.grad_rounds, max(visits.rounds - 1, 0)) * substeps) + router_bwd - skipped
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd}
 
 

@@ -258,12 +258,23 @@ class LoopedLM(nn.Module):
                   e_term: Tensor | None = None) -> Tensor:
         """One round: inject the input, run the K core blocks (round r picks its own blocks if untied).
         e_term: `input_term(e)` when the caller computed it once for its rounds."""
-        K = self.cfg.n_core
-        blocks = self.core[(r - 1) * K: r * K] if self.cfg.untied else self.core
+        cfg, K = self.cfg, self.cfg.n_core
+        blocks = self.core[(r - 1) * K: r * K] if cfg.untied else self.core
         x = self.inject(s, e, ops, e_term)
+        k = cfg.round_substeps if cfg.round_update == "euler" and r > 1 else 1
+        if k > 1 and cache is not None:
+            raise ValueError("model.round_update = euler visits each core block k times a round; the cached "
+                             "decoder holds one cache entry per visit (decode with --no-cache)")
         for i, block in enumerate(blocks):
-            x = self.visit(block, x, rope, cache, ("core", r, i), ops)
-        return rms_norm(self.state_norm, x) if self.state_norm is not None else x
+            if k == 1:
+                x = self.visit(block, x, rope, cache, ("core", r, i), ops)
+            else:            # k Euler steps of size 1/k along the block's residual update f(x) - x
+                for _ in range(k):
+                    x = x + (self.visit(block, x, rope, cache, ("core", r, i), ops) - x) / k
+        out = rms_norm(self.state_norm, x) if self.state_norm is not None else x
+        if cfg.round_update == "damped" and r > 1:      # a step of size eta toward the core's output
+            out = s + cfg.round_eta * (out - s)
+        return out
 
     def routed_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any, weight: Tensor,
                     ops: Ops = EAGER, e_term: Tensor | None = None) -> Tensor:

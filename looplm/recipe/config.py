@@ -122,6 +122,17 @@ class ModelConfig:
     """DeepLoop: x <- norm(alpha*x + branch(x)), alpha=(2N)^p, branch init scaled by beta=(8N)^-p, N = n_core*rounds. Needs norm = "pre"."""
     deeploop_p: float = applies(when("model.residual_scaling", "deeploop"), default=0.5)
     """DeepLoop exponent p (>= 0)."""
+    round_update: Literal["plain", "damped", "euler"] = "plain"
+    """How a round after the first updates the loop state (round 1 is always the plain core, so an imported
+    model at one round stays the pretrained stack): plain s <- core(s); damped s <- s + round_eta (core(s) - s),
+    a step of size eta toward the core's output; euler: every core block's residual update split into
+    round_substeps Euler sub-steps x <- x + (block(x) - x) / k, the block visited k times (training-free
+    looping of a frozen pretrained block, arXiv 2605.23872). Euler runs in whole-sequence forwards (eval,
+    train, lm-eval, recirculate); the cached decoder refuses it (its caches hold one entry per visit)."""
+    round_eta: float = applies(when("model.round_update", "damped"), default=0.5)
+    """Damped step size eta in (0, 1] (1 = plain)."""
+    round_substeps: int = applies(when("model.round_update", "euler"), default=2)
+    """Euler sub-steps k >= 2 per core block in every round after the first."""
     state_norm: bool = False
     """RMSNorm the loop state after every round (keeps its scale fixed when running more rounds)."""
     tie_embeddings: bool = True
@@ -233,6 +244,8 @@ class ModelConfig:
         _check(self.norm_eps > 0, "model.norm_eps", "must be > 0")
         _check(self.init_std > 0, "model.init_std", "must be > 0")
         _check(0 < self.injection_decay_init < 1, "model.injection_decay_init", "must lie strictly between 0 and 1")
+        _check(0 < self.round_eta <= 1, "model.round_eta", "must lie in (0, 1]")
+        _check(self.round_substeps >= 2, "model.round_substeps", "must be >= 2 (1 sub-step is round_update = plain)")
         _check(self.injection != "none" or self.init_state == "prelude", "model.injection",
                'none needs init_state = "prelude" (otherwise the core never sees the input)')
         _check(self.moe_experts >= 0, "model.moe_experts", "must be >= 0 (0 = a dense FFN)")
