@@ -50,12 +50,13 @@ def _configs():
     t = transformers
     return {
         # GQA and a head width of its own (4 x 24 != 64), untied head: llama.cpp permutes its q/k rows
-        "llama": t.LlamaForCausalLM(t.LlamaConfig(**COMMON, head_dim=24, tie_word_embeddings=False, rope_parameters={
-            "rope_type": "default", "rope_theta": 50000.0})),
-        "qwen2": t.Qwen2ForCausalLM(t.Qwen2Config(**COMMON, tie_word_embeddings=True)),     # q/k/v biases, tied
-        "qwen3": t.Qwen3ForCausalLM(t.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False,  # QK-norm
-                                                  rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
-                                                                   "factor": 2.0})),
+        "llama": (t.LlamaForCausalLM, t.LlamaConfig(**COMMON, head_dim=24, tie_word_embeddings=False,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+        "qwen2": (t.Qwen2ForCausalLM, t.Qwen2Config(**COMMON, tie_word_embeddings=True)),      # q/k/v biases, tied
+        # QK-norm, and linear RoPE scaling (rope.scaling.type / factor in the file)
+        "qwen3": (t.Qwen3ForCausalLM, t.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False,
+                                                    rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                     "factor": 2.0})),
     }
 
 
@@ -121,10 +122,10 @@ def write_gguf(path: Path, hf, tok, qtype=Q.F32, *, arch: str | None = None, wit
     # the tokenizer: symbols in id order, padded to the model's rows as llama.cpp pads ([PADn], UNUSED)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
-    if with_tokens:
+    if with_tokens:                     # without: a file whose tokenizer was stripped (refused)
         n = len(tok)
         tokens = tok.convert_ids_to_tokens(list(range(n))) + [f"[PAD{i}]" for i in range(n, cfg.vocab_size)]
-        special = set(tok.all_special_ids) | {tok.convert_tokens_to_ids(s) for s in SPECIAL}
+        special = {tok.convert_tokens_to_ids(s) for s in SPECIAL}
         types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(n)]
         w.add_token_list(tokens)
         w.add_token_types(types + [gguf.TokenType.UNUSED] * (cfg.vocab_size - n))
@@ -175,22 +176,20 @@ def tok():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tok):
-    """family -> (HF model in eval mode, its HF folder, the folder holding its one F32 file model.gguf, the tensor
+    """family -> (HF model in eval mode, the folder holding its one F32 file model.gguf and nothing else, the tensor
     types written to it)."""
     root = tmp_path_factory.mktemp("gguf")
     out = {}
-    for name, model in _configs().items():
+    for name, (cls, cfg) in _configs().items():
         torch.manual_seed(0)
-        model = type(model)(model.config).eval()            # seeded weights
+        model = cls(cfg).eval()
         with torch.no_grad():           # norms and biases away from their 1 / 0 initialisation
             for n, p in model.named_parameters():
                 if "norm" in n or n.endswith("bias"):
                     p.add_(torch.randn_like(p) * 0.1)
-        hf_dir, gg_dir = root / f"{name}-hf", root / f"{name}-gguf"
-        model.save_pretrained(hf_dir)
-        tok.save_pretrained(hf_dir)
-        gg_dir.mkdir()
-        out[name] = (model, hf_dir, gg_dir, write_gguf(gg_dir / "model.gguf", model, tok))
+        folder = root / name
+        folder.mkdir()
+        out[name] = (model, folder, write_gguf(folder / "model.gguf", model, tok))
     return out
 
 
@@ -203,7 +202,7 @@ def _ids(n: int = 24, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_f32_file_imports_to_the_source_models_logits(models, tmp_path, name):
-    hf, _, gg_dir, written = models[name]
+    hf, gg_dir, written = models[name]
     run = looplm.load_run(import_hf(gg_dir / "model.gguf", tmp_path / "run"))
     ids = _ids()
     with torch.no_grad():
@@ -222,6 +221,8 @@ def test_quantized_file_imports_to_transformers_logits(models, tok, tmp_path, qt
     counts = write_gguf(folder / "m.gguf", hf, tok, qtype)
     assert counts == {"F32": 9, qtype.name: 30}      # 4 x 2 norms + the final norm; embedding, head, 4 x 7 matrices
     run = looplm.load_run(import_hf(folder / "m.gguf", tmp_path / "run"))
+    # quantization moves the logits away from the source model's; transformers' own GGUF loader (its own
+    # dequantization and un-permutation) on the same file is the reference for what the file holds
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = _ids()
     with torch.no_grad():
@@ -235,7 +236,7 @@ def test_quantized_file_imports_to_transformers_logits(models, tok, tmp_path, qt
 
 
 def test_tokenizer_and_chat_template_are_the_files(models, tok, tmp_path):
-    gg_dir = models["qwen2"][2]
+    gg_dir = models["qwen2"][1]
     run = looplm.load_run(import_hf(gg_dir / "model.gguf", tmp_path / "run"))
     for text in TEXTS:                  # ASCII, digits, tabs and newlines, non-ASCII, special tokens in the text
         assert run.tokenizer.encode(text) == tok(text, add_special_tokens=False)["input_ids"], text
@@ -251,7 +252,7 @@ def test_tokenizer_and_chat_template_are_the_files(models, tok, tmp_path):
 
 
 def test_a_folder_with_one_gguf_imports_as_the_file(models, tmp_path):
-    gg_dir = models["llama"][2]
+    gg_dir = models["llama"][1]
     assert [p.name for p in gg_dir.iterdir()] == ["model.gguf"]         # no config.json beside it
     by_file = looplm.load_run(import_hf(gg_dir / "model.gguf", tmp_path / "file"))
     by_folder = looplm.load_run(import_hf(gg_dir, tmp_path / "folder"))
@@ -264,7 +265,7 @@ def test_a_folder_with_one_gguf_imports_as_the_file(models, tmp_path):
 
 def test_looped_layout_from_gguf_and_export(models, tmp_path):
     from test_import import _hf_unrolled
-    hf, _, gg_dir, _ = models["llama"]
+    hf, gg_dir, _ = models["llama"]
     run_dir = tmp_path / "run"
     assert main(["import", str(gg_dir / "model.gguf"), "--out", str(run_dir), "--prelude", "1", "--core", "1:3",
                  "--coda", "1", "--rounds", "2"]) == 0
@@ -296,7 +297,7 @@ def _not_gguf(d: Path, models, tok) -> Path:
 
 def _cut_short(d: Path, models, tok) -> Path:
     path = d / "cut.gguf"
-    shutil.copy(models["llama"][2] / "model.gguf", path)
+    shutil.copy(models["llama"][1] / "model.gguf", path)
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
     return path
@@ -313,7 +314,7 @@ def _two_files(d: Path, models, tok) -> Path:
     folder = d / "two"
     folder.mkdir()
     for name in ("a.gguf", "b.gguf"):
-        shutil.copy(models["llama"][2] / "model.gguf", folder / name)
+        shutil.copy(models["llama"][1] / "model.gguf", folder / name)
     return folder
 
 
