@@ -341,3 +341,33 @@ def test_refused_through_the_cli_naming_the_file(models, tok, tmp_path, capsys, 
     err = refused(capsys, "import", src, "--out", out)
     assert str(src) in err and words in err, err
     assert not out.exists() and not out.with_name("run.partial").exists()
+
+
+def test_a_vocabulary_without_endoftext_keeps_the_files_ids(tmp_path):
+    """Llama 3's layout: a byte-level vocabulary with no <|endoftext|>, every row a token. transformers' GPT-2
+    tokenizer adds one beyond the file's ids; the import keeps the file's ids only (the model has no row more)."""
+    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
+    raw = Tokenizer(tmodels.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(TEXTS[:1] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="<|im_end|>")
+    assert "<|endoftext|>" not in tok.get_vocab()
+    cfg = transformers.LlamaConfig(**COMMON)            # every row a token ([PADn] beyond the trained ones)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    global SPECIAL
+    saved, SPECIAL = SPECIAL, ["<pad>", "<s>", "<|im_start|>", "<|im_end|>"]
+    try:
+        write_gguf(tmp_path / "model.gguf", hf, tok)
+    finally:
+        SPECIAL = saved
+    run = looplm.load_run(import_hf(tmp_path / "model.gguf", tmp_path / "run"))
+    assert run.tokenizer.vocab_size == VOCAB == run.model.cfg.vocab_size
+    for text in TEXTS[:3]:
+        assert run.tokenizer.encode(text) == tok(text, add_special_tokens=False)["input_ids"], text
+    ids = _ids()
+    with torch.no_grad():
+        assert (run.model(ids).logits - hf(ids).logits).abs().max().item() < 1e-5

@@ -97,12 +97,12 @@ def read_gguf_config(f: GGUFFile) -> dict[str, Any]:
         raise UserError(f"{f.path}: RoPE frequency factors (rope_freqs.weight, Llama 3.1's scaling) cannot be imported "
                         "from GGUF; import the Hugging Face folder, whose config names the scaling")
     a = arch
-    tokens = f.meta("tokenizer.ggml.tokens")
+    tokens = f.reader.fields.get("tokenizer.ggml.tokens")      # its length only (not 50k strings decoded)
     heads = f.meta(f"{a}.attention.head_count")
     d = f.meta(f"{a}.embedding_length")
     cfg: dict[str, Any] = {
         "model_type": ARCHITECTURES[arch],
-        "vocab_size": f.meta(f"{a}.vocab_size", len(tokens) if tokens is not None else None),
+        "vocab_size": f.meta(f"{a}.vocab_size", len(tokens.data) if tokens is not None else None),
         "hidden_size": d, "intermediate_size": f.meta(f"{a}.feed_forward_length"),
         "num_hidden_layers": f.meta(f"{a}.block_count"), "num_attention_heads": heads,
         "num_key_value_heads": f.meta(f"{a}.attention.head_count_kv", heads),
@@ -213,12 +213,14 @@ def _gguf_of(hf_name: str) -> str:
     return hf_name
 
 
-def read_gguf_tokenizer(f: GGUFFile, vocab: int) -> Any:
+def read_gguf_tokenizer(f: GGUFFile) -> Any:
     """The file's tokenizer as a `PretrainedTokenizer`: transformers' conversion of the GGUF vocabulary (with
     its special tokens), the file's eos / bos ids and chat template."""
     from ..data.tokenizer import PretrainedTokenizer
-    if f.meta("tokenizer.ggml.tokens") is None:
+    field = f.reader.fields.get("tokenizer.ggml.tokens")
+    if field is None:
         raise UserError(f"{f.path}: holds no tokenizer (tokenizer.ggml.tokens); looplm imports a model with its own")
+    n_tokens = len(field.data)
     eos = f.meta("tokenizer.ggml.eos_token_id")
     if eos is None:
         raise UserError(f"{f.path}: names no tokenizer.ggml.eos_token_id (looplm separates documents with it)")
@@ -226,7 +228,6 @@ def read_gguf_tokenizer(f: GGUFFile, vocab: int) -> Any:
         import transformers
     except ImportError:
         raise UserError(f"{f.path}: reading a GGUF tokenizer needs transformers: pip install 'looplm[gguf]'") from None
-    import logging
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
@@ -236,11 +237,25 @@ def read_gguf_tokenizer(f: GGUFFile, vocab: int) -> Any:
         raise UserError(f"{f.path}: transformers cannot build its tokenizer ({detail})") from None
     finally:
         transformers.logging.set_verbosity(level)
-        logging.getLogger("transformers").setLevel(logging.WARNING)
     bos = f.meta("tokenizer.ggml.bos_token_id")
     template = f.meta("tokenizer.chat_template")
-    return PretrainedTokenizer(hf_tok.backend_tokenizer, int(eos), None if bos is None else int(bos),
-                               template if isinstance(template, str) else None)
+    return PretrainedTokenizer(_file_ids_only(hf_tok.backend_tokenizer, n_tokens), int(eos),
+                               None if bos is None else int(bos), template if isinstance(template, str) else None)
+
+
+def _file_ids_only(tok: Any, n: int) -> Any:
+    """The tokenizer without tokens transformers added beyond the file's n (its GPT-2 class adds
+    `<|endoftext|>` to a byte-level vocabulary that lacks one, Llama 3's): ids the model has no row for."""
+    import json
+    from tokenizers import Tokenizer
+    if tok.get_vocab_size(with_added_tokens=True) <= n:
+        return tok
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if t["id"] < n]
+    if data.get("post_processor") is not None and any(
+            i >= n for sp in (data["post_processor"].get("special_tokens") or {}).values() for i in sp.get("ids", [])):
+        data["post_processor"] = None       # looplm encodes without special tokens
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def open_gguf(path: Path) -> Any:
@@ -249,7 +264,7 @@ def open_gguf(path: Path) -> Any:
     f = GGUFFile(path)
     cfg = read_gguf_config(f)
     weights = GGUFWeights(f, cfg)
-    tok = read_gguf_tokenizer(f, cfg["vocab_size"])
+    tok = read_gguf_tokenizer(f)
     name = path.stem
     record = {"source": str(path.resolve()), "format": "gguf", "gguf_architecture": f.meta("general.architecture"),
               "gguf_name": f.meta("general.name"), "tensor_types": weights.types()}
