@@ -794,6 +794,38 @@ def _experiment_out(out: str | None, name: str) -> str:
     return out
 
 
+def cmd_experiment_looping(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    from .experiments import looping as lp
+    from .runs.checkpoint import load_run
+    for flag, value, low in (("--rounds", args.rounds, 2), ("--windows", args.windows, 1),
+                             ("--length", args.length, 8), ("--questions", args.questions, 1)):
+        if value < low:
+            raise UserError(f"{flag} {value}: must be >= {low}")
+    text = None
+    if args.data is not None:
+        try:
+            text = Path(args.data).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"--data {args.data}: cannot read it as UTF-8 text ({type(err).__name__})") from None
+    out = _experiment_out(args.out, "looping")
+    run = load_run(args.run, device=args.device)
+    layers = lp.pretrained_layers(run)
+    spans = lp.parse_spans(args.spans, layers) if args.spans else lp.default_spans(layers)
+    updates = args.updates.split(",") if args.updates else list(lp.UPDATES)
+    for u in updates:
+        lp.parse_update(u)
+    if args.length > run.recipe.model.context - 1:
+        raise UserError(f"--length {args.length}: above the run's context {run.recipe.model.context} - 1")
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    result = lp.run_looping(run, spans=spans, updates=updates, rounds=args.rounds, windows=args.windows,
+                            length=args.length, questions=args.questions, text=text, say=say)
+    lp.save(Path(out), result, str(args.run))
+    _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json, heatmap.png)",
+                                        *lp.summary_lines(result)]))
+    return 0
+
+
 def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
     from .recipe.config import load_recipe
     from .experiments import extrapolate as ex
@@ -1147,6 +1179,23 @@ def build_parser() -> argparse.ArgumentParser:
                             help="which variants to train beside plain (default all: plain, stochastic_stop, "
                                  "state_norm, fixed_point, state_norm+fixed_point, and decay or additive: whichever injection the base lacks)")
         xp.set_defaults(func=func)
+    lp = xsub.add_parser("looping", help="training-free looping of an imported pretrained model: spans x round "
+                                         "updates, held-out loss and cloze accuracy, chosen on one split and "
+                                         "reported on another")
+    lp.add_argument("run", help="a `looplm import`ed run with every layer kept (the default layout)")
+    lp.add_argument("--spans", metavar="I:J,...", help="the layer spans to loop (default six over the middle)")
+    lp.add_argument("--updates", metavar="U,...", help="round updates: plain, damped:ETA, euler:K (default "
+                                                       "plain,damped:0.25,damped:0.5,damped:0.75,euler:2,euler:3)")
+    lp.add_argument("--rounds", type=int, default=2, help="rounds of each looped span (default 2)")
+    lp.add_argument("--windows", type=int, default=16, help="held-out text windows per split (default 16)")
+    lp.add_argument("--length", type=int, default=256, help="tokens per window (default 256)")
+    lp.add_argument("--questions", type=int, default=100, help="cloze questions per split (default 100)")
+    lp.add_argument("--data", metavar="FILE", help="held-out text (default Python's reference manual, "
+                                                   "pydoc_data.topics)")
+    lp.add_argument("--out", help="experiment folder (default runs/looping-TIMESTAMP)")
+    lp.add_argument("--json", action="store_true")
+    _device_arg(lp)
+    lp.set_defaults(func=cmd_experiment_looping)
     return p
 
 

@@ -86,7 +86,9 @@ def mm(x: Tensor, w: _W) -> Tensor:
     to end, are each row's outputs in order)."""
     wr, packed = w
     x2 = x.reshape(-1, x.shape[-1])
-    if packed is not None and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
+    # the packed layout is fp32 weights for fp32 rows; rows in another dtype (bf16 autocast) take the plain
+    # product, which autocast handles
+    if packed is not None and x2.dtype == torch.float32 and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
     elif wr.dim() == 3:
         P = wr.shape[0]
