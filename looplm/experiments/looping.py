@@ -137,29 +137,36 @@ def window_losses(model: Any, windows: torch.Tensor, rounds: int, batch: int = 4
 
 
 @torch.no_grad()
-def choice_logprobs(model: Any, tokenizer: Any, question: dict[str, Any], rounds: int) -> list[float]:
-    """Each choice's summed log-likelihood after the context (lm-eval's loglikelihood request; the context's
-    trailing space moves to the continuation as lm-eval does)."""
-    ctx = tokenizer.encode(question["context"])
-    conts = [tokenizer.encode(c) for c in question["choices"]]
-    seqs = [ctx + c for c in conts]
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-    logp = torch.log_softmax(model(ids, rounds=rounds).logits.float(), -1)     # right padding: causal, unread
-    out = []
-    for row, c in enumerate(conts):
-        pos = torch.arange(len(ctx) - 1, len(ctx) - 1 + len(c))
-        out.append(float(logp[row, pos, torch.tensor(c)].sum()))
+def choice_logprobs(model: Any, tokenizer: Any, questions: list[dict[str, Any]], rounds: int,
+                    batch: int = 32) -> list[list[float]]:
+    """Each question's choices' summed log-likelihoods after its context (lm-eval's loglikelihood request),
+    every (context + choice) row of several questions in one right-padded forward (causal: padding after a
+    row's tokens changes none of them)."""
+    rows = []                                   # (question, context ids, choice ids)
+    for qi, q in enumerate(questions):
+        ctx = tokenizer.encode(q["context"])
+        rows += [(qi, ctx, tokenizer.encode(c)) for c in q["choices"]]
+    out: list[list[float]] = [[] for _ in questions]
+    for start in range(0, len(rows), batch):
+        part = rows[start:start + batch]
+        width = max(len(c) + len(k) for _, c, k in part)
+        ids = torch.tensor([c + k + [0] * (width - len(c) - len(k)) for _, c, k in part])
+        at = torch.zeros(ids.shape, dtype=torch.bool)           # the positions that predict a choice's tokens
+        for r, (_, c, k) in enumerate(part):
+            at[r, len(c) - 1: len(c) - 1 + len(k)] = True
+        logp = torch.log_softmax(model(ids, rounds=rounds, readout_at=at).logits.float(), -1)    # (N, V)
+        targets = torch.cat([torch.tensor(k) for _, _, k in part])
+        picked = logp[torch.arange(len(targets)), targets]
+        for (qi, _, k), lp in zip(part, picked.split([len(k) for _, _, k in part])):
+            out[qi].append(float(lp.sum()))
     return out
 
 
 def mc_correct(model: Any, tokenizer: Any, questions: list[dict[str, Any]], rounds: int) -> torch.Tensor:
     """(N,) 1.0 where the likeliest choice is the answer."""
-    right = []
-    for q in questions:
-        lp = choice_logprobs(model, tokenizer, q, rounds)
-        right.append(float(max(range(len(lp)), key=lp.__getitem__) == q["answer"]))
-    return torch.tensor(right)
+    scores = choice_logprobs(model, tokenizer, questions, rounds)
+    return torch.tensor([float(max(range(len(lp)), key=lp.__getitem__) == q["answer"])
+                         for lp, q in zip(scores, questions)])
 
 
 def bootstrap(diff: torch.Tensor, resamples: int = 1000, seed: int = 0) -> dict[str, float]:
