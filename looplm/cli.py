@@ -142,7 +142,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluation.rounds import evaluate_rounds, eval_rounds_list
     from .evaluation.rounds import eval_batches_for
 
-    run = load_run(args.run, device=args.device)
+    run = load_run(args.run, device=args.device, dtype=args.dtype)
     _missing(args)                             # checked before any work, whichever path uses it
     rounds = _rounds_arg(args.rounds) if args.rounds else eval_rounds_list(run.recipe, run.recipe.depth.rounds)
     if run.recipe.model.untied and rounds != [run.recipe.depth.rounds]:
@@ -412,6 +412,12 @@ def _device_arg(p: argparse.ArgumentParser, default: str = "cpu") -> None:
                    help=f"torch device: auto (cuda when available), cpu, cuda, cuda:N or mps (default {default})")
 
 
+def _dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="the weights' precision for this command (default fp32, exact; bf16/fp16 halve the bytes "
+                        "read per token; docs/real-model.md has their speed and loss change)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .runs.checkpoint import load_run
     from .inference.engine import generate_for_run
@@ -436,14 +442,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if given:
             raise UserError(f"--no-cache is the plain reference (greedy or temperature, fixed depth); "
                             f"it takes none of: {', '.join(_flag(k) for k in given)}")
-        run = load_run(args.run, device=args.device)
+        run = load_run(args.run, device=args.device, dtype=args.dtype)
         if run.model.feedback is not None:
             raise UserError("--no-cache: the plain reference has no full-bandwidth feedback; decode this feedback "
                             "run through the cached engine (--prompt-mode standard|soft|fused)")
         result = generate_text(run, _prompt_text(run, args), max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, seed=args.seed, rounds=rounds)
     else:
-        run = load_run(args.run, device=args.device)
+        run = load_run(args.run, device=args.device, dtype=args.dtype)
         result = generate_for_run(run, _prompt_text(run, args), max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, seed=args.seed, rounds=args.rounds, **options)
     _emit(result, args.json, result["text"])
@@ -501,7 +507,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     serve(args.run, host=args.host, port=args.port, limits=limits, engine_options=engine_options, device=args.device,
-          api_key=api_key)
+          api_key=api_key, dtype=args.dtype)
     return 0
 
 
@@ -820,7 +826,7 @@ def cmd_experiment_looping(args: argparse.Namespace) -> int:
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
     result = lp.run_looping(run, spans=spans, updates=updates, rounds=args.rounds, windows=args.windows,
                             length=args.length, questions=args.questions, text=text, say=say)
-    lp.save(Path(out), result, str(args.run))
+    result = lp.save(Path(out), result, str(args.run))
     _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json, heatmap.png)",
                                         *lp.summary_lines(result)]))
     return 0
@@ -977,6 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt modes (standard, soft, fused: as generate --prompt-mode), by difficulty, at the "
                         "recipe's depth.rounds")
     _device_arg(e)
+    _dtype_arg(e)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_eval)
 
@@ -1015,6 +1022,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a feedback model's prompt mode: standard (no feedback), soft (default: feedback from the "
                         "prompt's end on) or fused (an extra prefill pass with feedback)")
     _device_arg(g)
+    _dtype_arg(g)
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_generate)
 
@@ -1066,6 +1074,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(401 otherwise; /health stays open). Default: the environment variable LOOPLM_API_KEY; "
                          "the flag wins when both are set. Without either the server is open")
     _device_arg(sv)
+    _dtype_arg(sv)
     sv.set_defaults(func=cmd_serve)
 
     bn = sub.add_parser("bench", help="benchmarks on the matched bench-s configuration, peers in the same run")

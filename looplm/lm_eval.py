@@ -13,7 +13,8 @@ runs lm-eval's own command line (`lm_eval.__main__.cli_evaluate`) on ARGS.
 Model arguments (`--model_args`): run (the run folder, required); rounds (the most rounds per
 token; default the recipe's depth); exit (an exit policy as `looplm generate --exit` takes it:
 fixed, fixed:R, entropy:TAU, kl:EPS, quantile:Q; default the recipe's); device (cpu by default,
-auto = cuda when available); batch_size (prompts per engine batch; default lm-eval's
+auto = cuda when available); dtype (the weights' precision: fp32, the default and exact; bf16;
+fp16); batch_size (prompts per engine batch; default lm-eval's
 --batch_size); prompt_mode (a feedback run's: standard, soft or fused, for every request; default
 soft); seed (the random initial loop state's seed and sampling's; default 0); max_gen_toks
 (generate_until's default length, 256). A model argument wins over lm-eval's own --batch_size and
@@ -97,7 +98,8 @@ class LoopLM(TemplateLM):
 
     def __init__(self, run: str | None = None, rounds: int | str | None = None, exit: str | None = None,
                  device: str | None = None, batch_size: int | str = 1, max_batch_size: int | None = None,
-                 seed: int | str = 0, max_gen_toks: int | str = 256, prompt_mode: str | None = None) -> None:
+                 seed: int | str = 0, max_gen_toks: int | str = 256, prompt_mode: str | None = None,
+                 dtype: str = "fp32") -> None:
         super().__init__()
         if run is None:
             raise UserError("model_args: run=DIR (a looplm run folder) is required")
@@ -106,7 +108,7 @@ class LoopLM(TemplateLM):
         if max_batch_size is not None:      # lm-eval passes it only when asked (its default is None)
             raise UserError(f"max_batch_size {max_batch_size}: it caps batch_size auto, which the looplm model does "
                             "not support; give batch_size=N (prompts per batch) instead")
-        self.run: Run = load_run(str(run), device=device or "cpu")
+        self.run: Run = load_run(str(run), device=device or "cpu", dtype=str(dtype))
         self.engine = _scoring_engine(self.run, None if rounds is None else _int_arg(rounds, "rounds", 1),
                                       None if exit is None else str(exit))
         self.tokenizer = self.run.tokenizer

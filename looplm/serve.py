@@ -852,7 +852,7 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
 
 def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: ServeLimits | None = None,
           engine_options: dict[str, Any] | None = None, log_level: str = "info", device: str = "cpu",
-          api_key: str | None = None) -> None:
+          api_key: str | None = None, dtype: str = "fp32") -> None:
     """Load a run and serve it until interrupted (with `api_key`: only to clients that send it),
     each connection bounded by `limits` (serve_bounds.py)."""
     import sys
@@ -867,7 +867,7 @@ def serve(run_dir: str, *, host: str = "127.0.0.1", port: int = 8000, limits: Se
         raise UserError(f"--port {port}: must lie in 0..65535")
     if api_key is not None:
         check_api_key(api_key)
-    run = load_run(run_dir, device=device)
+    run = load_run(run_dir, device=device, dtype=dtype)
     engine = Engine.from_run(run, **(engine_options or {}))
     app = create_app(engine, model_name=run.path.resolve().name, limits=limits, api_key=api_key)
     print(f"looplm: serving {run.path} on http://{host}:{port}/v1 (model id {run.path.resolve().name!r}"

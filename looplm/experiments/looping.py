@@ -84,6 +84,38 @@ def cloze_questions(text: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
     return questions
 
 
+CLOZE_TASK = """task: looplm_cloze
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+"""The cloze questions as an lm-eval task (each choice begins with its space, so no delimiter is added)."""
+
+
+def write_lm_eval_task(out: Path, questions: list[dict[str, Any]]) -> Path:
+    """OUT/data.jsonl and OUT/looplm_cloze.yaml: `lm_eval --tasks looplm_cloze --include_path OUT` scores any
+    model on the same questions (looplm's through `python -m looplm.lm_eval --model looplm`, or lm-eval's hf)."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (out / "looplm_cloze.yaml").write_text(CLOZE_TASK.format(data=json.dumps(str(data.resolve()))))
+    return out
+
+
 # ----------------------------------------------------------------------------- models
 
 def pretrained_layers(run: Any) -> int:
@@ -263,7 +295,8 @@ def run_looping(run: Any, *, spans: list[tuple[int, int]], updates: list[str], r
         confirmed[metric] = {"span": cell["span"], "update": cell["update"], "selection_delta": cell[f"d_{metric}"],
                              "value": float(got.mean()), "base": float(base["confirmation"][metric].mean()),
                              "delta": bootstrap(diff)}
-    return {"rounds": rounds, "layers": len([*model.prelude, *model.core, *model.coda]),
+    return {"questions": {"selection": sel_q, "confirmation": con_q},
+            "rounds": rounds, "layers": len([*model.prelude, *model.core, *model.coda]),
             "text": {"windows_per_split": windows, "tokens_per_window": length,
                      "source": "pydoc_data.topics" if text is None else "--data"},
             "questions_per_split": questions,
@@ -324,8 +357,13 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def save(out: Path, result: dict[str, Any], run: str) -> None:
+def save(out: Path, result: dict[str, Any], run: str) -> dict[str, Any]:
+    """OUT/result.json, heatmap.png, report.md and lm_eval_task/ (every question of both splits); the result
+    without the questions (what --json prints)."""
     out.mkdir(parents=True, exist_ok=True)
+    questions = result.pop("questions")
+    write_lm_eval_task(out / "lm_eval_task", questions["selection"] + questions["confirmation"])
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     write_heatmap(out, result)
     (out / "report.md").write_text(markdown(result, run))
+    return result

@@ -258,9 +258,14 @@ class Run:
     """Recipe fields missing from the run's recipe.toml (written by an older looplm) -> the default used."""
 
 
-def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Run:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Inference precisions (`--dtype`): the weights cast once at load; fp32, the weights as trained or imported,
+is the default and the exact one."""
+
+
+def load_run(path: str | Path, device: str | torch.device | None = "cpu", dtype: str = "fp32") -> Run:
     """A run folder, loaded for use: the model in eval mode on `device` (cpu by default; "auto" = cuda
-    when available; see device.resolve_device)."""
+    when available; see device.resolve_device), its weights in `dtype` (DTYPES)."""
     from ..device import resolve_device
     from ..model.looped import build_model
     from ..data.tokenizer import load_tokenizer
@@ -275,7 +280,9 @@ def load_run(path: str | Path, device: str | torch.device | None = "cpu") -> Run
     recipe, filled = load_run_recipe(run_dir)
     model = build_model(recipe)
     load_weights(run_dir, model)
-    model.eval().to(resolve_device(device))
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    model.eval().to(resolve_device(device), DTYPES[dtype])
     tokenizer = load_tokenizer(run_dir / "checkpoint")
     report = read_report(run_dir)
     return Run(path=run_dir, recipe=recipe, model=model, tokenizer=tokenizer, report=report,
