@@ -643,6 +643,34 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                 sched.release(n_rows)
         return rows()
 
+    def sse(rows: Any, frames: Any, usage_frame: Any, options: StreamOptions | None) -> Any:
+        """A streamed reply: each event's frames (`frames(i, ev)` -> JSON objects) as server-sent events, an
+        error frame if generation fails, the usage frame when `stream_options.include_usage`, then [DONE]."""
+        async def events() -> Any:
+            try:
+                async for i, ev in rows:
+                    for frame in frames(i, ev):
+                        yield f"data: {json.dumps(frame)}\n\n"
+            except Exception as err:
+                yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
+            else:
+                if options is not None and options.include_usage:
+                    yield f"data: {json.dumps(usage_frame())}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def collect(rows: Any, n_rows: int) -> Any:
+        """A whole reply's events per row, or the error response when the client left or generation failed."""
+        evs: list[list[Any]] = [[] for _ in range(n_rows)]
+        try:
+            async for i, ev in rows:
+                evs[i].append(ev)
+        except _ClientGone:
+            return _error(499, "client closed the request", None, "client_closed")     # nobody reads this
+        except Exception as err:
+            return _error(500, f"generation failed: {err}", None, "server_error")
+        return evs
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.model not in (None, model_name):
@@ -700,38 +728,26 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
             return _busy()
 
         if req.stream:
-            async def sse() -> Any:
-                started, n_out = [False] * n_rows, 0
-                try:
-                    async for i, ev in rows:
-                        if req.echo and not started[i]:             # the prompt, with the first token's figures
-                            started[i] = True
-                            text, lp = out.echo(i, ev)
-                            choice = {"index": i, "text": text, "logprobs": lp,
-                                      "finish_reason": "length" if scoring else None}
-                            yield f"data: {json.dumps(body([choice]))}\n\n"
-                        if scoring:
-                            continue
-                        n_out += 1
-                        text, lp = out.more(i, [ev])
-                        choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
-                        yield f"data: {json.dumps(body([choice]))}\n\n"
-                except Exception as err:
-                    yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
-                else:
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield f"data: {json.dumps(body([], usage=usage(n_out)))}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            started, n_out = [False] * n_rows, [0]
 
-        evs: list[list[Any]] = [[] for _ in range(n_rows)]
-        try:
-            async for i, ev in rows:
-                evs[i].append(ev)
-        except _ClientGone:
-            return _error(499, "client closed the request", None, "client_closed")     # nobody reads this
-        except Exception as err:
-            return _error(500, f"generation failed: {err}", None, "server_error")
+            def frames(i: int, ev: Any) -> list[dict[str, Any]]:
+                out_frames = []
+                if req.echo and not started[i]:             # the prompt, with the first token's figures
+                    started[i] = True
+                    text, lp = out.echo(i, ev)
+                    out_frames.append(body([{"index": i, "text": text, "logprobs": lp,
+                                             "finish_reason": "length" if scoring else None}]))
+                if not scoring:
+                    n_out[0] += 1
+                    text, lp = out.more(i, [ev])
+                    out_frames.append(body([{"index": i, "text": text, "logprobs": lp,
+                                             "finish_reason": ev.finish_reason}]))
+                return out_frames
+            return sse(rows, frames, lambda: body([], usage=usage(n_out[0])), req.stream_options)
+
+        evs = await collect(rows, n_rows)
+        if not isinstance(evs, list):
+            return evs
         choices = []
         for i in range(n_rows):
             shown = [] if scoring else evs[i]
@@ -812,35 +828,21 @@ def create_app(engine: Engine, *, model_name: str = "looplm", limits: ServeLimit
                                  "top_logprobs": [entry(a, v) for a, v in (ev.top_logprobs or [])]} for ev in evs]}
 
         if req.stream:
-            async def sse() -> Any:
-                n_out = 0
-                started = [False] * req.n
-                try:
-                    async for i, ev in rows:
-                        delta: dict[str, Any] = {"content": ev.text}
-                        if not started[i]:        # OpenAI's first delta of a choice names the role
-                            started[i] = True
-                            delta = {"role": "assistant", **delta}
-                        n_out += 1
-                        choice = {"index": i, "delta": delta, "logprobs": logprobs([ev]),
-                                  "finish_reason": ev.finish_reason}
-                        yield f"data: {json.dumps(chunk([choice]))}\n\n"
-                except Exception as err:
-                    yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
-                else:
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield f"data: {json.dumps(chunk([], usage=usage(n_out)))}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            started, n_out = [False] * req.n, [0]
 
-        evs: list[list[Any]] = [[] for _ in range(req.n)]
-        try:
-            async for i, ev in rows:
-                evs[i].append(ev)
-        except _ClientGone:
-            return _error(499, "client closed the request", None, "client_closed")     # nobody reads this
-        except Exception as err:
-            return _error(500, f"generation failed: {err}", None, "server_error")
+            def frames(i: int, ev: Any) -> list[dict[str, Any]]:
+                delta: dict[str, Any] = {"content": ev.text}
+                if not started[i]:        # OpenAI's first delta of a choice names the role
+                    started[i] = True
+                    delta = {"role": "assistant", **delta}
+                n_out[0] += 1
+                return [chunk([{"index": i, "delta": delta, "logprobs": logprobs([ev]),
+                                "finish_reason": ev.finish_reason}])]
+            return sse(rows, frames, lambda: chunk([], usage=usage(n_out[0])), req.stream_options)
+
+        evs = await collect(rows, req.n)
+        if not isinstance(evs, list):
+            return evs
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(ev.text for ev in e)},
                     "logprobs": logprobs(e), "finish_reason": e[-1].finish_reason,
                     "rounds_used": [ev.rounds for ev in e]} for i, e in enumerate(evs)]

@@ -122,6 +122,11 @@ def test_lm_eval_hf_and_looplm_give_the_same_loglikelihoods(smol, hf):
     for (a, ga), (b, gb) in zip(theirs, ours):
         assert abs(a - b) < 2e-3 and ga == gb
     assert theirs[0][0] > theirs[1][0]          # and the model knows its capitals
+    # the looping experiment's scorer (whole-sequence forwards, several questions a batch) scores the same
+    from looplm.experiments.looping import choice_logprobs
+    questions = [{"context": c, "choices": [k]} for c, k in pairs]
+    mine = [lp[0] for lp in choice_logprobs(smol.model, smol.tokenizer, questions, 1)]
+    assert max(abs(a - b) for (a, _), b in zip(theirs, mine)) < 2e-3
 
 
 def test_a_looped_recut_equals_the_layers_run_by_hand(smol, hf):

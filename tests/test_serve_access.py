@@ -240,7 +240,7 @@ def test_with_a_key_the_docs_and_schema_are_closed(engine, asgi):
     open_call, guarded = asgi(create_app(engine)), asgi(create_app(engine, api_key=KEY))
     status, _, schema, _ = open_call("GET", "/openapi.json")
     assert status == 200 and "/v1/completions" in schema["paths"]
-    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/v1/chat/completions"):
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/v1/embeddings"):
         status, _, got, _ = guarded("GET", path)
         assert status == 401 and got["error"]["code"] == "invalid_api_key", path
         status, _, got, _ = guarded("GET", path, {"authorization": f"Bearer {KEY}"})

@@ -1,4 +1,5 @@
-"""`looplm import HF_DIR --out RUN`: a pretrained Hugging Face causal LM becomes a looplm run.
+"""`looplm import HF_DIR --out RUN`: a pretrained Hugging Face causal LM becomes a looplm run (a GGUF file too:
+gguf_import.py reads it into the same `Source`, so both formats share the families, layout and refusals here).
 
     layers 0 .. N-1          -> prelude (untied, run once)
     layers I .. J-1          -> the shared core, run R rounds (one copy of each layer, or with
