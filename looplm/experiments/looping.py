@@ -162,10 +162,12 @@ def window_losses(model: Any, windows: torch.Tensor, rounds: int, batch: int = 4
     """(N,) mean next-token loss of each window at `rounds` rounds (whole-sequence forwards)."""
     from ..model.losses import token_losses
     out = []
+    device = next(model.parameters()).device
     for w in windows.split(batch):
+        w = w.to(device)
         logits = model(w[:, :-1], rounds=rounds).logits
         out.append(token_losses(logits, w[:, 1:]).mean(1))
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
 @torch.no_grad()
@@ -179,6 +181,7 @@ def choice_logprobs(model: Any, tokenizer: Any, questions: list[dict[str, Any]],
         ctx = tokenizer.encode(q["context"])
         rows += [(qi, ctx, tokenizer.encode(c)) for c in q["choices"]]
     out: list[list[float]] = [[] for _ in questions]
+    device = next(model.parameters()).device
     for start in range(0, len(rows), batch):
         part = rows[start:start + batch]
         width = max(len(c) + len(k) for _, c, k in part)
@@ -186,7 +189,8 @@ def choice_logprobs(model: Any, tokenizer: Any, questions: list[dict[str, Any]],
         at = torch.zeros(ids.shape, dtype=torch.bool)           # the positions that predict a choice's tokens
         for r, (_, c, k) in enumerate(part):
             at[r, len(c) - 1: len(c) - 1 + len(k)] = True
-        logp = torch.log_softmax(model(ids, rounds=rounds, readout_at=at).logits.float(), -1)    # (N, V)
+        logits = model(ids.to(device), rounds=rounds, readout_at=at.to(device)).logits
+        logp = torch.log_softmax(logits.float(), -1).cpu()                                       # (N, V)
         targets = torch.cat([torch.tensor(k) for _, _, k in part])
         picked = logp[torch.arange(len(targets)), targets]
         for (qi, _, k), lp in zip(part, picked.split([len(k) for _, _, k in part])):
