@@ -273,12 +273,11 @@ def run_looping(run: Any, *, spans: list[tuple[int, int]], updates: list[str], r
             "confirmation": {"loss": window_losses(model, con_w, 1), "acc": mc_correct(model, tok, con_q, 1)}}
     say(f"one round: selection loss {base['selection']['loss'].mean():.4f}, acc {base['selection']['acc'].mean():.3f} "
         f"({time.perf_counter() - t0:.0f} s)")
-    cells, scores = [], {}
+    cells = []
     for span in spans:
         for u in updates:
             m = relayout(model, span, **fields[u])
             loss, acc = window_losses(m, sel_w, rounds), mc_correct(m, tok, sel_q, rounds)
-            scores[(span, u)] = (loss, acc)
             cells.append({"span": f"{span[0]}:{span[1]}", "update": u,
                           "loss": float(loss.mean()), "acc": float(acc.mean()),
                           "d_loss": float((loss - base["selection"]["loss"]).mean()),
@@ -296,7 +295,9 @@ def run_looping(run: Any, *, spans: list[tuple[int, int]], updates: list[str], r
         else:
             got = mc_correct(m, tok, con_q, rounds)
             diff = got - base["confirmation"]["acc"]
+        better = cell[f"d_{metric}"] < 0 if metric == "loss" else cell[f"d_{metric}"] > 0
         confirmed[metric] = {"span": cell["span"], "update": cell["update"], "selection_delta": cell[f"d_{metric}"],
+                             "beats_one_round_on_selection": better,
                              "value": float(got.mean()), "base": float(base["confirmation"][metric].mean()),
                              "delta": bootstrap(diff)}
     return {"questions": {"selection": sel_q, "confirmation": con_q},
@@ -357,7 +358,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     for metric, c in result["best"].items():
         d = c["delta"]
         out.append(f"best by {metric}: span {c['span']} {c['update']}: confirmation {metric} {c['value']:.4f} vs "
-                   f"{c['base']:.4f} at one round ({d['mean']:+.4f}, 95% [{d['low']:+.4f}, {d['high']:+.4f}])")
+                   f"{c['base']:.4f} at one round ({d['mean']:+.4f}, 95% [{d['low']:+.4f}, {d['high']:+.4f}])"
+                   + ("" if c["beats_one_round_on_selection"] else
+                      f"; no setting beat one round on the selection split"))
     return out
 
 
