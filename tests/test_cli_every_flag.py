@@ -31,6 +31,7 @@ from looplm.cli import build_parser, main
 from conftest import TINY, tiny_recipe, write_corpus
 
 RUN, TEXT, HF, RECIPE, FRESH, AFILE = "{run}", "{text}", "{hf}", "{recipe}", "{fresh}", "{afile}"
+IMPORTED = "{imported}"          # the tiny HF Llama imported (the looping experiment re-cuts a pretrained stack)
 
 # Arguments every invocation of a leaf carries (replaced when the flag under test is one of them).
 BASE: dict[str, list[str]] = {
@@ -51,6 +52,8 @@ BASE: dict[str, list[str]] = {
     "experiment deeploop": ["--quick", "--out", FRESH],
     "experiment loopmoe": ["--quick", "--out", FRESH],
     "experiment depth": ["--quick", "--variants", "plain", "--out", FRESH],
+    "experiment looping": [IMPORTED, "--spans", "1:3", "--updates", "plain", "--windows", "1", "--length", "16",
+                           "--questions", "1", "--out", FRESH],
 }
 
 # A value each option accepts, where the parser has no default to use: "*" for every command, or a
@@ -88,6 +91,8 @@ VALID: dict[str, dict[str, str]] = {
     "--max-new-tokens": {"*": "2"},
     "--train-mixer": {"*": "constant_scalar"}, "--steps": {"*": "1"},
     "--seeds": {"*": "0"}, "--lookup-threshold": {"*": "0.5"}, "--variants": {"*": "plain"},
+    "--spans": {"*": "1:3"}, "--updates": {"*": "plain"}, "--windows": {"*": "1"}, "--length": {"*": "16"},
+    "--questions": {"*": "1"},
 }
 
 # Options that need a companion to do anything (alone they must be refused in one line, which the
@@ -116,7 +121,7 @@ INVALID = {"--out": [AFILE], "--hf": [AFILE]}
 # Leaves whose every run costs seconds: their options' valid values are tried together in one run (each
 # option still gets its own runs with refused values, which end before any work).
 COMBINED = {"train", "check", "bench decode", "bench train", "experiment extrapolate", "experiment deeploop",
-            "experiment loopmoe", "experiment depth"}
+            "experiment loopmoe", "experiment depth", "experiment looping"}
 # ... except options that pick another mode of the command: each of these gets its own valid run
 MODES = {("train", "--resume"), ("train", "--stage2"), ("train", "--init")}
 
@@ -201,8 +206,18 @@ def world(tmp_path_factory):
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     transformers.LlamaForCausalLM(cfg).save_pretrained(root / "hf")
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    vocab = {chr(32 + i): i for i in range(95)} | {"<unk>": 95, "</s>": 96}      # printable ASCII, one id each
+    chars = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    chars.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=chars, eos_token="</s>")
+    tok.save_pretrained(root / "hf-tok")            # with a context a character-level cloze question fits
+    long = transformers.LlamaConfig(**{**cfg.to_dict(), "max_position_embeddings": 512})
+    transformers.LlamaForCausalLM(long).save_pretrained(root / "hf-tok")
+    from looplm.interop.hf_import import import_hf
+    import_hf(root / "hf-tok", root / "imported")
     return {"root": root, "run": root / "run", "text": text, "recipe": recipe, "hf": root / "hf",
-            "jsonl": root / "data.jsonl"}
+            "jsonl": root / "data.jsonl", "imported": root / "imported"}
 
 
 def _toml(flat: dict) -> str:
@@ -227,7 +242,7 @@ def fill(world, tmp_path):
             dst = tmp_path / "resumable"
             shutil.copytree(world["run"], dst)
             return str(dst)
-        for key in ("run", "text", "hf", "recipe", "jsonl"):
+        for key in ("run", "text", "hf", "recipe", "jsonl", "imported"):
             arg = arg.replace("{" + key + "}", str(world[key]))
         return arg
     return f

@@ -177,9 +177,14 @@ def choice_logprobs(model: Any, tokenizer: Any, questions: list[dict[str, Any]],
     every (context + choice) row of several questions in one right-padded forward (causal: padding after a
     row's tokens changes none of them)."""
     rows = []                                   # (question, context ids, choice ids)
+    limit = model.cfg.context
     for qi, q in enumerate(questions):
         ctx = tokenizer.encode(q["context"])
-        rows += [(qi, ctx, tokenizer.encode(c)) for c in q["choices"]]
+        for c in q["choices"]:
+            k = tokenizer.encode(c)
+            if len(k) >= limit:
+                raise UserError(f"a choice of {len(k)} tokens does not fit the model's context of {limit}")
+            rows.append((qi, ctx[-(limit - len(k)):], k))     # the context cut from the left, as lm-eval does
     out: list[list[float]] = [[] for _ in questions]
     device = next(model.parameters()).device
     for start in range(0, len(rows), batch):
