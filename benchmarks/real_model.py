@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 run, small sizes (a smoke test)")
     ap.add_argument("--precisions", default="fp32,bf16-autocast,bf16-weights")
     ap.add_argument("--rows", default="score,decode,train")
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -158,7 +159,7 @@ def main() -> None:
                              "ratio_to_hf": res["hf"][0] / t})
         if "decode" in args.rows:
             engine = Engine(ms["looplm"], tok)
-            for batch in (1, 8):
+            for batch in (int(b) for b in args.batches.split(",")):
                 p = prompts[:batch]
 
                 def hf_gen(n, m=ms["hf"]):

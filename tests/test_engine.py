@@ -105,3 +105,24 @@ def test_keep_states():
 def test_invalid_rounds():
     with pytest.raises(ValueError):
         looplm.unroll(lambda s, r: s, 0, 0)
+
+
+def test_a_bf16_model_scores_as_its_full_forward():
+    """--dtype bf16: the packed backend multiplies bf16 weights through F.linear as the eager model does (the
+    fp32 row layouts are not built for them), so the engine's prefill scores a prompt as the eager bf16 forward
+    does, to bf16's rounding, and its first greedy token is the forward's."""
+    from looplm.inference.engine import Engine, SamplingParams
+    torch.manual_seed(0)
+    over = {"model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
+            "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 2, "backward.window": "all",
+            "data.seq_len": 32}
+    m = looplm.build_model(looplm.load_recipe("quickstart", overrides=over)).eval().to(torch.bfloat16)
+    prompt = [5, 17, 33, 2, 99, 100, 7, 8, 9, 200, 31, 64]
+    engine = Engine(m)
+    got = torch.tensor(engine.prompt_logprobs([prompt])[0][0][1:])
+    with torch.no_grad():
+        logp = torch.log_softmax(m(torch.tensor([prompt])).logits.float(), -1)[0]
+    want = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (got - want).abs().max().item() < 0.05          # bf16 keeps 8 bits: about 2 significant digits
+    first = engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))[0].tokens[0]
+    assert first == int(logp[-1].argmax())

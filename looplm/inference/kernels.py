@@ -73,6 +73,8 @@ def row_weight(w: Tensor, threads: int) -> Tensor:
     out = w.shape[0]
     if w.device.type != "cpu":
         return w.t()                      # a view: the device's matmul reads the transpose as it is
+    if w.dtype != torch.float32:          # bf16/fp16 on a CPU: oneDNN's own layout behind F.linear (`mm`), the
+        return w                          # only fast path there (mm/bmm on copies: 10x slower without AMX)
     P = max(p for p in range(1, max(threads, 1) + 1) if out % p == 0)    # slices that divide the outputs
     if P < 2:
         return w.t().contiguous()
@@ -86,6 +88,8 @@ def mm(x: Tensor, w: _W) -> Tensor:
     to end, are each row's outputs in order)."""
     wr, packed = w
     x2 = x.reshape(-1, x.shape[-1])
+    if wr.device.type == "cpu" and wr.dtype != torch.float32:     # (out, in) as it is: see row_weight
+        return torch.nn.functional.linear(x2, wr).reshape(*x.shape[:-1], -1)
     # the packed layout is fp32 weights for fp32 rows; rows in another dtype (bf16 autocast) take the plain
     # product, which autocast handles
     if packed is not None and x2.dtype == torch.float32 and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
