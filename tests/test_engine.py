@@ -126,3 +126,23 @@ def test_a_bf16_model_scores_as_its_full_forward():
     assert (got - want).abs().max().item() < 0.05          # bf16 keeps 8 bits: about 2 significant digits
     first = engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))[0].tokens[0]
     assert first == int(logp[-1].argmax())
+
+
+def test_under_bf16_autocast_the_packed_products_stay_fp32():
+    """Under torch.autocast(bf16) the engine's fp32 layouts multiply bf16 rows in fp32 (not every weight
+    matrix cast at every call): each product is the fp32 product of the bf16 rows, rounded once to bf16."""
+    from looplm.inference.kernels import PackedOps
+    torch.manual_seed(0)
+    over = {"model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.context": 64,
+            "model.init_std": 0.3, "depth.kind": "fixed", "depth.rounds": 2, "backward.window": "all",
+            "data.seq_len": 32}
+    m = looplm.build_model(looplm.load_recipe("quickstart", overrides=over)).eval()
+    ops = PackedOps(m)
+    w = m.core[0].mlp.down.weight
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, w.shape[1]).to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = ops.linear(x, w)
+        assert got.dtype == torch.bfloat16
+        ref = (x.float() @ w.t()).detach()                 # the fp32 product of the bf16 rows
+        assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()     # one bf16 rounding of it

@@ -90,9 +90,13 @@ def mm(x: Tensor, w: _W) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if wr.device.type == "cpu" and wr.dtype != torch.float32:     # (out, in) as it is: see row_weight
         return torch.nn.functional.linear(x2, wr).reshape(*x.shape[:-1], -1)
-    # the packed layout is fp32 weights for fp32 rows; rows in another dtype (bf16 autocast) take the plain
-    # product, which autocast handles
-    if packed is not None and x2.dtype == torch.float32 and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
+    if wr.device.type == "cpu" and x2.dtype != torch.float32:
+        # rows in bf16 (under autocast) against these fp32 layouts: the product in fp32, on the fast paths below
+        # (autocast would otherwise cast every weight matrix to bf16 at every call); `--dtype bf16` is the way
+        # to decode from bf16 weights
+        with torch.autocast("cpu", enabled=False):
+            return mm(x2.float(), w).to(x2.dtype).reshape(*x.shape[:-1], -1)
+    if packed is not None and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed, None, "none", [], "")
     elif wr.dim() == 3:
         P = wr.shape[0]
