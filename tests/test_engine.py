@@ -146,3 +146,6 @@ def test_under_bf16_autocast_the_packed_products_stay_fp32():
         assert got.dtype == torch.bfloat16
         ref = (x.float() @ w.t()).detach()                 # the fp32 product of the bf16 rows
         assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()     # one bf16 rounding of it
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 rows (a norm's output): the fp32 product itself
+            got32 = ops.linear(x.float(), w)
+        assert got32.dtype == torch.float32 and torch.allclose(got32, ref, rtol=1e-5, atol=1e-5)

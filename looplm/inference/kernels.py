@@ -90,10 +90,10 @@ def mm(x: Tensor, w: _W) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if wr.device.type == "cpu" and wr.dtype != torch.float32:     # (out, in) as it is: see row_weight
         return torch.nn.functional.linear(x2, wr).reshape(*x.shape[:-1], -1)
-    if wr.device.type == "cpu" and x2.dtype != torch.float32:
-        # rows in bf16 (under autocast) against these fp32 layouts: the product in fp32, on the fast paths below
-        # (autocast would otherwise cast every weight matrix to bf16 at every call); `--dtype bf16` is the way
-        # to decode from bf16 weights
+    if wr.device.type == "cpu" and (x2.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
+        # under bf16 autocast (or rows in bf16) against these fp32 layouts: the product in fp32 on the fast paths
+        # below, autocast off (it would cast every weight matrix to bf16 at every call: decoding 8x slower);
+        # `--dtype bf16` is the way to decode from bf16 weights
         with torch.autocast("cpu", enabled=False):
             return mm(x2.float(), w).to(x2.dtype).reshape(*x.shape[:-1], -1)
     if packed is not None and x2.shape[0] > 1 and x2.shape[0] * wr.numel() >= PACKED_MIN_MACS:
