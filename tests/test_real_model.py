@@ -135,28 +135,27 @@ def test_a_looped_recut_equals_the_layers_run_by_hand(smol, hf):
     s <- s + eta (core(s) - s) on the second round."""
     from looplm.experiments.looping import relayout
     model, tok = hf
-    inner = model.model
     x = torch.tensor([tok(TEXT).input_ids[:24]])
     m = relayout(smol.model, (10, 14), round_update="damped", round_eta=0.4)
     with torch.no_grad():
-        h = inner.embed_tokens(x)
-        pos = torch.arange(x.shape[1])[None]
-        rope = inner.rotary_emb(h, pos)
-
-        def layer(i, h):
-            out = inner.layers[i](h, attention_mask=None, position_ids=pos, position_embeddings=rope)
-            return out[0] if isinstance(out, tuple) else out
-        for i in range(14):
-            h = layer(i, h)
-        s = h
-        for i in range(10, 14):
-            h = layer(i, h)
-        h = s + 0.4 * (h - s)
-        for i in range(14, 30):
-            h = layer(i, h)
-        want = model.lm_head(inner.norm(h))
+        s = _hf_layers(model, x, range(14), head=False)
+        h = _hf_layers(model, x, range(10, 14), head=False, h=s)
+        want = _hf_layers(model, x, range(14, 30), h=s + 0.4 * (h - s))
         assert (m(x, rounds=2).logits - want).abs().max().item() < 1e-3
         assert (m(x, rounds=1).logits - model(x).logits).abs().max().item() < 1e-4
+
+
+def _hf_layers(model, x, order, head=True, h=None):
+    """transformers' own layers applied in `order` to the embedding of x (or to the hidden state h), then
+    (head) its final norm and LM head: a loop written out with the pretrained model's modules."""
+    inner = model.model
+    h = inner.embed_tokens(x) if h is None else h
+    pos = torch.arange(x.shape[1])[None]
+    rope = inner.rotary_emb(h, pos)
+    for i in order:
+        out = inner.layers[i](h, attention_mask=None, position_ids=pos, position_embeddings=rope)
+        h = out[0] if isinstance(out, tuple) else out
+    return model.lm_head(inner.norm(h)) if head else h
 
 
 def test_eval_in_bf16_casts_the_weights_and_stays_near_fp32(smol, tmp_path, capsys):
@@ -173,12 +172,13 @@ def test_eval_in_bf16_casts_the_weights_and_stays_near_fp32(smol, tmp_path, caps
     assert {p.dtype for p in looplm.load_run(smol.path, dtype="bf16").model.parameters()} == {torch.bfloat16}
 
 
-def test_the_looping_experiment_on_the_real_model(smol, tmp_path, capsys):
+def test_the_looping_experiment_on_the_real_model(smol, hf, tmp_path, capsys):
     """`looplm experiment looping` at a small size: every cell scored, the choice confirmed on the other split,
-    the heatmap and the lm-eval task written; the plain cell's loss equals a model imported with that layout
-    (`looplm import --prelude 10 --core 10:12 --coda 18 --rounds 2`, another path to the same function)."""
+    the heatmap and the lm-eval task written; the plain cell's loss equals transformers' own layers run in
+    the looped order (0..11, 10, 11, 12..29) on the same window."""
     import json
-    from looplm.experiments.looping import reference_prose, text_windows, window_losses
+    from looplm.experiments.looping import reference_prose, text_windows
+    from looplm.model.losses import token_losses
     out = tmp_path / "looping"
     assert main(["experiment", "looping", str(smol.path), "--spans", "10:12", "--updates", "plain,damped:0.5",
                  "--windows", "1", "--length", "32", "--questions", "3", "--out", str(out), "--json"]) == 0
@@ -186,7 +186,8 @@ def test_the_looping_experiment_on_the_real_model(smol, tmp_path, capsys):
     assert [(c["span"], c["update"]) for c in result["cells"]] == [("10:12", "plain"), ("10:12", "damped:0.5")]
     assert set(result["best"]) == {"loss", "acc"} and (out / "heatmap.png").is_file()
     assert len((out / "lm_eval_task" / "data.jsonl").read_text().splitlines()) == 6
-    layout = looplm.load_run(import_hf(GGUF, tmp_path / "cut", prelude=10, core="10:12", coda=18, rounds=2))
-    windows = text_windows(smol.tokenizer, reference_prose(), 1, 32)[:1]
-    want = float(window_losses(layout.model, windows, 2).mean())
-    assert abs(result["cells"][0]["loss"] - want) < 1e-4
+    window = text_windows(smol.tokenizer, reference_prose(), 1, 32)[:1]
+    with torch.no_grad():
+        logits = _hf_layers(hf[0], window[:, :-1], [*range(12), 10, 11, *range(12, 30)])
+    want = float(token_losses(logits, window[:, 1:]).mean())
+    assert abs(result["cells"][0]["loss"] - want) < 1e-3
