@@ -263,8 +263,10 @@ class LoopedLM(nn.Module):
         x = self.inject(s, e, ops, e_term)
         k = cfg.round_substeps if cfg.round_update == "euler" and r > 1 else 1
         if k > 1 and cache is not None:
-            raise ValueError("model.round_update = euler visits each core block k times a round; the cached "
-                             "decoder holds one cache entry per visit (decode with --no-cache)")
+            from ..errors import UserError
+            raise UserError("model.round_update = euler visits each core block k times a round; a key/value "
+                            "cache holds one entry per visit (cached decoding, early exit with caches): use "
+                            "whole-sequence forwards (looplm eval --rounds, generate --no-cache)")
         for i, block in enumerate(blocks):
             if k == 1:
                 x = self.visit(block, x, rope, cache, ("core", r, i), ops)
