@@ -140,3 +140,15 @@ def save_untrained_run(path, overrides=None):
     ByteTokenizer().save(path / "checkpoint")
     write_text(path / "recipe.toml", recipe.to_toml())
     return path
+
+
+def random_hf_model(cls, cfg):
+    """A transformers model of class `cls` and config `cfg`, seed 0, in eval mode, its norms and biases moved away
+    from their 1 / 0 initialisation (an import that dropped or misplaced one would otherwise go unseen)."""
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model

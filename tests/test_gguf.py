@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import looplm
-from conftest import cli
+
+from conftest import cli, random_hf_model
 from looplm.cli import main
 from looplm.interop.hf_import import import_hf
 
@@ -181,12 +182,7 @@ def models(tmp_path_factory, tok):
     root = tmp_path_factory.mktemp("gguf")
     out = {}
     for name, (cls, cfg) in _configs().items():
-        torch.manual_seed(0)
-        model = cls(cfg).eval()
-        with torch.no_grad():           # norms and biases away from their 1 / 0 initialisation
-            for n, p in model.named_parameters():
-                if "norm" in n or n.endswith("bias"):
-                    p.add_(torch.randn_like(p) * 0.1)
+        model = random_hf_model(cls, cfg)
         folder = root / name
         folder.mkdir()
         out[name] = (model, folder, write_gguf(folder / "model.gguf", model, tok))

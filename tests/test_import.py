@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import looplm
+
+from conftest import random_hf_model
 from looplm.cli import main
 from looplm.interop.hf_import import import_hf
 
@@ -57,12 +59,7 @@ def hf_models(tmp_path_factory):
     tok = _tokenizer()
     out = {}
     for name, (cls, cfg) in _configs().items():
-        torch.manual_seed(0)
-        model = cls(cfg).eval()
-        with torch.no_grad():           # norms and biases away from their 1 / 0 initialisation
-            for n, p in model.named_parameters():
-                if "norm" in n or n.endswith("bias"):
-                    p.add_(torch.randn_like(p) * 0.1)
+        model = random_hf_model(cls, cfg)
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         out[name] = (model, root / name)
