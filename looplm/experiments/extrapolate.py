@@ -104,7 +104,7 @@ def train_lstm(recipe: Recipe, run_dir: Path, source: TaskSource, target_params:
     from safetensors.torch import save_model
 
     from ..model.lstm import LSTMLM
-    from ..train.trainer import lr_at, make_optimizer
+    from ..train.optim import lr_at, make_optimizer, set_lr
 
     tok = ByteTokenizer()
     vocab, d_embed = recipe.model.vocab_size, recipe.model.d_model
@@ -118,8 +118,7 @@ def train_lstm(recipe: Recipe, run_dir: Path, source: TaskSource, target_params:
     model.train()
     with open(run_dir / "metrics.jsonl", "w") as metrics:
         for step in range(recipe.train.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, recipe)
+            set_lr(opt, lr_at(step, recipe))
             step_loss = 0.0
             for micro in range(accum):
                 x, y, opts = sampler.batch(step * accum + micro)

@@ -66,7 +66,8 @@ SECTIONS: dict[str, dict[str, tuple | None]] = {
 """Per recipe section, the fields the export reads and the values the template implements."""
 
 TRAINING_ONLY: dict[str, tuple[str, ...]] = {
-    "model": ("init_std", "mor_capacity", "injection_decay_init"),
+    "model": ("init_std", "mor_capacity", "injection_decay_init", "adapter_init"),
+    "depth": ("ramp_fraction", "ramp_shape"),
     "backward": ("window",),
     "supervision": ("kind", "rounds", "weights", "entropy_beta", "prior", "geometric_lambda", "moe_balance",
                     "moe_z", "mor_balance", "mor_z", "mor_bias_rate", "mor_aux", "fixed_point", "fixed_point_rounds"),

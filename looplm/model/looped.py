@@ -175,9 +175,10 @@ class LoopedLM(nn.Module):
             with torch.no_grad():
                 self.feedback.proj.weight.zero_()
                 self.feedback.proj.weight[:, :cfg.d_model].copy_(torch.eye(cfg.d_model))
-        if self.adapter is not None:  # start as s + e so the loop begins like additive injection
+        if self.adapter is not None:  # "sum": start as s + e (like additive injection); "state": as s alone
             with torch.no_grad():
-                self.adapter.weight.copy_(torch.cat([torch.eye(cfg.d_model)] * 2, dim=1))
+                e_half = torch.eye(cfg.d_model) if cfg.adapter_init == "sum" else torch.zeros(cfg.d_model, cfg.d_model)
+                self.adapter.weight.copy_(torch.cat([torch.eye(cfg.d_model), e_half], dim=1))
         if self.decay is not None:    # every channel's carry starts at injection_decay_init
             with torch.no_grad():
                 self.decay.fill_(math.log(-math.log(cfg.injection_decay_init)))

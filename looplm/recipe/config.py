@@ -115,6 +115,11 @@ class ModelConfig:
     Parcae's): s + e adds e again every round, so the state grows with depth; a carry below 1 bounds it."""
     injection_decay_init: float = applies(when("model.injection", "decay"), default=0.5)
     """The carry a every channel starts at, in (0, 1): the state's memory of earlier rounds."""
+    adapter_init: Literal["sum", "state"] = applies(when("model.injection", "concat"), default="sum")
+    """How the concat adapter [W_s | W_e] starts: "sum" = [I | I] (the round input s + e, like additive
+    injection) or "state" = [I | 0] (the round input is the state alone: with init_state = prelude, round 1
+    is exactly the stack without a loop, so a retrofit of a pretrained model starts as that model and
+    training learns how much of e re-enters; the zero half still receives gradient dL/dx e^T)."""
     norm: Literal["pre", "sandwich"] = applies(unless("model.residual_scaling", "deeploop"), default="pre")
     """Pre-norm blocks, or sandwich norm (norm before and after each branch, as Huginn). DeepLoop's scaled
     residual replaces the block norms, so with it this stays at "pre"."""
@@ -281,6 +286,13 @@ class DepthConfig:
     stop_prob: float = applies(when("depth.kind", "geometric"), default=0.25)
     """geometric: the chance of stopping after each round from depth.min on (mean depth min + (1-p)/p before
     the cap at max)."""
+    ramp_fraction: float = applies(unless("depth.kind", "fixed"), default=0.0)
+    """Depth curriculum: over the first ramp_fraction of train.steps the sampler's depth grows from depth.min
+    to its full setting (0 = off): lognormal_poisson's mean and every kind's cap max are interpolated by the
+    ramp (max rounded up), so early steps run shallow loops (McLeish et al.'s retrofit schedule)."""
+    ramp_shape: Literal["linear", "1-sqrt"] = applies(unless("depth.ramp_fraction", 0.0), default="linear")
+    """The ramp's shape in its phase t in [0, 1]: linear t, or 1 - sqrt(1 - t) (slow at first, fastest at the
+    end of the ramp)."""
 
     def __post_init__(self) -> None:
         _check(self.rounds >= 1, "depth.rounds", "must be >= 1")
@@ -293,6 +305,7 @@ class DepthConfig:
         if self.kind == "lognormal_poisson":
             _check(self.mean >= 1, "depth.mean", "must be >= 1 (rounds = Poisson(rate) + 1)")
         _check(0 < self.stop_prob <= 1, "depth.stop_prob", "must lie in (0, 1] (a probability of stopping)")
+        _check(0 <= self.ramp_fraction <= 1, "depth.ramp_fraction", "must lie in [0, 1] (a share of train.steps)")
 
     @property
     def max_rounds(self) -> int:
@@ -486,8 +499,20 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """AdamW on every parameter, or Muon (torch.optim.Muon: momentum orthogonalised by Newton-Schulz) on the
+    blocks' and the adapter's 2-D weights with AdamW on the rest (embeddings, head, norms, biases, routers,
+    gates, 3-D expert weights); report.json's `optimizer` counts what each holds (train/optim.py)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
+    muon_lr: float = applies(when("optim.optimizer", "muon"), default=0.02)
+    """Muon's peak learning rate; the schedule (warmup, decay) scales it as it scales lr."""
+    muon_momentum: float = applies(when("optim.optimizer", "muon"), default=0.95)
+    """Muon's (Nesterov) momentum."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = applies(when("optim.optimizer", "muon"),
+                                                                     default="original")
+    """Muon's per-matrix learning-rate scale: sqrt(max(1, rows/cols)) (Keller Jordan's), or 0.2 sqrt(max(rows,
+    cols)) so the update's RMS matches AdamW's and AdamW's learning rate carries over (Moonshot's)."""
     min_lr_ratio: float = applies(unless("optim.schedule", "constant"), default=0.1)
     """Final learning rate as a fraction of lr."""
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
@@ -516,6 +541,8 @@ class OptimConfig:
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must lie in [0, 1)")
         _check(self.eps > 0, "optim.eps", "must be > 0")
         _check(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+        _check(self.muon_lr > 0, "optim.muon_lr", "must be > 0")
+        _check(0 <= self.muon_momentum < 1, "optim.muon_momentum", "must lie in [0, 1)")
 
 
 FEEDBACK = unless("feedback.mode", "none")
@@ -693,7 +720,14 @@ class Recipe:
             _check(not self.train.alignment_every, "train.alignment_every", "measures one pass; not with feedback")
             _check(self.model.kv_sharing == "none", "model.kv_sharing",
                    "first is not implemented with full-bandwidth feedback (its engine decodes whole prompt chunks)")
+        if self.optim.optimizer == "muon":
+            _check(self.train.parallel != "fsdp", "optim.optimizer", "muon orthogonalises whole matrices; FSDP "
+                   'shards them across processes: use train.parallel = "ddp" or "none" with muon')
+            _check(self.train.stage == 1, "optim.optimizer", "muon updates block matrices; stage II trains only "
+                   'the exit gate: use "adamw"')
         if self.data.depth_by_difficulty:
+            _check(not self.depth.ramp_fraction, "depth.ramp_fraction", "ramps the recipe's depth sampler; "
+                   "data.depth_by_difficulty draws each micro-batch's rounds from its difficulty instead")
             _check(self.depth.kind in ("fixed", "uniform"), "data.depth_by_difficulty",
                    'draws each micro-batch\'s rounds uniformly (or runs depth.rounds): needs depth.kind = "fixed" '
                    f'or "uniform", not "{self.depth.kind}"')

@@ -184,25 +184,29 @@ def load_run_recipe(run_dir: Path) -> tuple[Recipe, dict[str, Any]]:
     return recipe, filled
 
 
-def load_weights(run_dir: Path, model: torch.nn.Module, allow_missing: str | None = None) -> None:
+def load_weights(run_dir: Path, model: torch.nn.Module, allow_missing: tuple[str, ...] = ()) -> list[str]:
     """Load RUN/checkpoint/model.safetensors into `model`, refusing a damaged file (its header checked
-    first: files.safetensors_names) and any mismatch with the recipe. Parameters whose names start with
-    `allow_missing` (the exit gate, when stage II starts from a run without one) may be absent and keep
-    their initialisation."""
+    first: files.safetensors_names) and any mismatch with the recipe. allow_missing: module prefixes
+    (`"gate."`, `"adapter."`, ...) that may be absent from the file as a whole: a module the recipe adds to
+    the run it starts from (`train --init` switching on concat injection, stage II's exit gate) keeps its
+    initialisation. A module the file holds only in part is refused. Returns the prefixes that started fresh."""
     from ..files import safetensors_names
     path = Path(run_dir) / "checkpoint" / "model.safetensors"
     if not path.is_file():
         raise UserError(f"run {run_dir}: missing checkpoint/model.safetensors")
-    safetensors_names(path)
+    stored, _ = safetensors_names(path)
     try:
         missing, unexpected = load_model(model, str(path), strict=False)
     except Exception as err:      # shapes that disagree with the recipe's model
         raise UserError(f"run {run_dir}: checkpoint/model.safetensors does not match the recipe "
                         f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200]})") from None
-    missing = [k for k in missing if not (allow_missing and k.startswith(allow_missing))]
+    fresh = [p for p in allow_missing if any(k.startswith(p) for k in missing)
+             and not any(k.startswith(p) for k in stored)]
+    missing = [k for k in missing if not k.startswith(tuple(fresh))]
     if missing or unexpected:
         raise UserError(f"run {run_dir}: weights do not match the recipe (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
+    return fresh
 
 
 def read_report(run_dir: Path) -> dict[str, Any]:

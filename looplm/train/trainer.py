@@ -29,6 +29,7 @@ from ..runs.checkpoint import (load_state, load_weights, optimizer_state_by_inde
                                read_metrics, repair_checkpoint, save_checkpoint, write_text)
 from ..recipe.config import Recipe, SupervisionConfig, load_recipe
 from .depth import depth_generator, expected_depth, sample_depth
+from .optim import lr_at, make_optimizer, optimizer_record, set_lr
 from ..device import autocast, compiled, grad_scaler, resolve_device
 from ..errors import UserError
 from ..memory import RunMemory
@@ -43,21 +44,9 @@ from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core,
                        lockstep, no_sync, parallelize, rank_device, shard)
 
 
-def lr_at(step: int, recipe: Recipe) -> float:
-    o, total = recipe.optim, recipe.train.steps
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    floor = o.lr * o.min_lr_ratio
-    if o.schedule == "constant":
-        return o.lr
-    if o.schedule == "wsd":
-        decay_start = total - int(round(o.decay_fraction * total))
-        if step < decay_start:
-            return o.lr
-        frac = (step - decay_start + 1) / max(1, total - decay_start)
-        return o.lr + (floor - o.lr) * frac
-    frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
-    return floor + (o.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+FRESH_MODULES = ("gate.", "adapter.", "decay.", "state_norm.")
+"""Modules `train --init` / `--stage2` may add to the run they start from (the file lacks them whole); which
+did is report.json's init_fresh_modules."""
 
 
 def carry_record(model: torch.nn.Module) -> dict[str, Any]:
@@ -85,20 +74,6 @@ def depth_safety_record(recipe: Recipe, model: LoopedLM, counters: Counters,
     if recipe.model.injection == "decay":
         rec["carry"] = carry_record(model)
     return rec
-
-
-def make_optimizer(model: torch.nn.Module, recipe: Recipe, trainable_only: bool = False) -> torch.optim.AdamW:
-    """AdamW; matrices decay, norms/biases/embeddings do not. named_parameters() yields a shared
-    tensor once, so the optimizer sees each shared tensor once. trainable_only: leave out frozen
-    parameters (Stage II freezes the LM before the model is wrapped for several processes)."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if trainable_only and not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 and not name.startswith("embed") else no_decay).append(p)
-    o = recipe.optim
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 @dataclass
@@ -228,7 +203,7 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         targets_at = round_targets
         round_targets = lambda r: tuple(t.to(device) if t is not None else None for t in targets_at(r))  # noqa: E731
     if rounds is None:
-        rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro)
+        rounds = sample_depth(recipe.depth, recipe.train.seed, step, micro, recipe.train.steps)
     supervision = recipe.supervision if supervision is None else supervision
     window = None if recipe.backward.window == "all" else min(recipe.backward.window, rounds)
     # stage II's gate loss compares every round's readout, whatever the stage-I placement was
@@ -483,7 +458,7 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
                         "use more text, a larger data.val_fraction or a shorter data.seq_len")
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe).to(device)      # initialised on the CPU: the same weights on every device and rank
-    counters, start, state = Counters(), 0, None
+    counters, start, state, fresh = Counters(), 0, None, []
     if resume:
         state = load_state(run_dir)
         load_weights(run_dir, model)             # every process reads the whole weights, before sharding
@@ -491,8 +466,9 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
         counters = Counters.from_state(state["counters"])
         start = int(state["step"])
         init_from = state.get("init_from") or None
-    elif init_from is not None:
-        load_weights(init_from, model, allow_missing="gate." if recipe.train.stage == 2 else None)
+        fresh = list(state.get("init_fresh_modules", []))
+    elif init_from is not None:      # modules the recipe adds to the run it starts from keep their initialisation
+        fresh = load_weights(init_from, model, allow_missing=FRESH_MODULES)
     if recipe.train.stage == 2:                  # the LM frozen before DDP/FSDP see which parameters train
         for n, p in model.named_parameters():
             p.requires_grad_(n.startswith("gate."))
@@ -516,7 +492,7 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
             _truncate_metrics(run_dir / "metrics.jsonl", start)
         elif (run_dir / "metrics.jsonl").exists():
             (run_dir / "metrics.jsonl").unlink()
-    origin = {"init_from": str(init_from)} if init_from is not None else {}
+    origin = {"init_from": str(init_from), "init_fresh_modules": fresh} if init_from is not None else {}
 
     def checkpoint(step: int) -> None:
         # every process takes part in gathering (FSDP); rank 0 writes the whole checkpoint
@@ -546,8 +522,7 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(step, recipe)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        set_lr(opt, lr)
         align_now = bool(recipe.train.alignment_every) and step % recipe.train.alignment_every == 0
         log_now = step % recipe.train.log_every == 0 or step == total - 1 or align_now
         step_loss, depths, info, out = 0.0, [], {}, None
@@ -642,6 +617,7 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
     plain = model if parallel != "fsdp" else _plain_copy(recipe, run_dir, device)
     report = build_report(recipe, plain, sampler, counters, val_tokens, run_dir, getattr(tok, "eos_id", None))
     report.update(origin)
+    report["optimizer"] = optimizer_record(model, opt)
     report["device"] = str(device)
     report["precision"] = recipe.train.dtype
     report["compiled"] = recipe.train.compile
@@ -844,7 +820,7 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         "params_by_role": model.param_groups_by_role(),
         "train_flops": counters.train_flops,
         "mean_train_rounds": mean_depth,
-        "expected_train_rounds": expected_depth(recipe.depth),
+        "expected_train_rounds": expected_depth(recipe.depth, total_steps=recipe.train.steps),
         "depth_histogram": {str(k): v for k, v in sorted(counters.depth_histogram.items())},
         "backward_histogram": {str(k): v for k, v in sorted(counters.backward_histogram.items())},
         "loss_placement": {**placement_record(counters),
