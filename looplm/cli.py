@@ -854,21 +854,18 @@ def cmd_experiment_retrofit(args: argparse.Namespace) -> int:
     marker = out / "experiment.json"
     refuse_foreign(out, "--out", own=lambda p: (p / "experiment.json").is_file(),
                    own_kind="an earlier `experiment retrofit` (which it would resume)")
+    now = {"source": args.source, "data": args.data, "quick": args.quick, "set": overrides}
     if marker.is_file():
         said = json.loads(marker.read_text())
-        now = {"source": args.source, "data": args.data, "quick": args.quick, "set": overrides}
         if {k: said.get(k) for k in now} != now:
             raise UserError(f"--out {out}: holds a retrofit experiment with other settings ({said}); resume it "
                             "with the same --from, --data, --quick and --set, or choose another --out")
-        tokens = said.get("tokens") if args.tokens is None and args.minutes is None else args.tokens
-    else:
+    else:           # written first: an interrupted experiment is recognised and resumed
         out.mkdir(parents=True, exist_ok=True)
-        tokens = args.tokens
+        write_text(marker, json.dumps(now) + "\n")
     say = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    result = rf.run_retrofit(source_run=source, out=out, data=args.data, tokens=tokens, minutes=args.minutes,
+    result = rf.run_retrofit(source_run=source, out=out, data=args.data, tokens=args.tokens, minutes=args.minutes,
                              quick=args.quick, overrides=overrides, windows=args.windows, say=say)
-    write_text(marker, json.dumps({"source": args.source, "data": args.data, "quick": args.quick, "set": overrides,
-                                   "tokens": result["tokens_per_model"]}) + "\n")
     result = rf.save(out, result)
     _emit(result, args.json, "\n".join([f"experiment written to {out} (report.md, result.json, retrofit.png)",
                                         *rf.summary_lines(result)]))

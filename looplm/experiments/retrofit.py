@@ -246,7 +246,14 @@ def run_retrofit(*, source_run: Path | None, out: Path, data: str | None, tokens
     inits = {a.name: imported(source, out / "imports" / ("keep" if a.layout == keep_layout(layers) else "drop"),
                               a.layout, say) for a in plan}
     recipes = {a.name: init_recipe(inits[a.name], None, {**common, **a.overrides}) for a in plan if a.kind != "original"}
-    if tokens is None:
+    budget = out / "budget.json"      # the tokens per model, fixed once: a resumed experiment keeps them
+    if budget.is_file():
+        fixed = json.loads(budget.read_text())["tokens_per_model"]
+        if tokens is not None and tokens != fixed:
+            raise UserError(f"--tokens {tokens}: {out} was started with {fixed} tokens per model; resume it with "
+                            "those (or no budget flag), or choose another --out")
+        tokens = fixed
+    elif tokens is None:
         if minutes is None:
             tokens = 2000 if quick else 65536
         else:
@@ -254,6 +261,9 @@ def run_retrofit(*, source_run: Path | None, out: Path, data: str | None, tokens
             unit = cost["baseline"]
             factors = [cost[n] / unit for n in recipes if n != "baseline-flops"] + [cost["retrofit-keep"] / unit]
             tokens = calibrate_tokens(minutes, factors, inits["baseline"], common, say)
+    if not budget.is_file():
+        from ..runs.checkpoint import write_text
+        write_text(budget, json.dumps({"tokens_per_model": tokens, "minutes": minutes}) + "\n")
     result: dict[str, Any] = {"source": str(source), "layers": layers, "rounds": list(rounds),
                               "tokens_per_model": tokens, "held_out_windows": windows,
                               "seq_len": recipes["baseline"].data.seq_len, "models": {}}

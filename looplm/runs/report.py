@@ -25,7 +25,10 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
             "random": f"Gaussian noise with std {m.init_state_std} (Huginn), drawn per step"}[m.init_state]
     inject = {"none": "not re-injected (the core sees the input only through the initial state)",
               "add": "added to the state before every round (s + e)",
-              "concat": "concatenated with the state and mapped back by a Linear(2d -> d) adapter every round",
+              "concat": "concatenated with the state and mapped back by a Linear(2d -> d) adapter every round"
+                        + (" (started as [I | I]: s + e)" if m.adapter_init == "sum" else
+                           " (started as [I | 0]: the state alone, so round 1 is the stack without a loop; "
+                           "training learns how much of e re-enters)"),
               "decay": (f"added to the state carried with a learned per-channel factor a in (0, 1) every round "
                         f"(a * s + e; a started at {m.injection_decay_init}), so e no longer piles up round after round")
               }[m.injection]
@@ -39,6 +42,10 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         depth = (f"log-normal Poisson (Huginn): rate ~ LogNormal(ln {d.mean} - {d.sigma}^2/2, {d.sigma}), "
                  f"rounds = Poisson(rate) + 1, clamped to {d.min}..{d.max}; drawn per micro-batch from (seed, step)")
+    if d.kind != "fixed" and d.ramp_fraction:
+        depth += (f"; depth curriculum: over the first {d.ramp_fraction:g} of the {r.train.steps} steps the cap "
+                  + ("and mean " if d.kind == "lognormal_poisson" else "")
+                  + f"grow from {d.min} to their settings ({d.ramp_shape} in the ramp's phase)")
     window = ("full backpropagation through every round" if b.window == "all" else
               f"gradients through only the last {b.window} rounds: earlier rounds run without gradient (their "
               "state is a constant entering the window); a supervised readout or gate hazard at a round before "
@@ -82,6 +89,9 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
         ("forward depth", depth),
         ("backward window", window),
         ("loss placement", sup),
+        ("optimizer", f"AdamW (lr {r.optim.lr:g})" if r.optim.optimizer == "adamw" else
+         f"Muon (lr {r.optim.muon_lr:g}, momentum {r.optim.muon_momentum}, Nesterov, {r.optim.muon_adjust_lr} "
+         f"per-matrix scale) on the blocks' and adapter's matrices; AdamW (lr {r.optim.lr:g}) on the rest"),
         ("exit", (("an exit gate (dense + sigmoid of the state each round), trained by "
                    + ("stage II's continuation loss" if r.train.stage == 2 else "the learned-exit loss")
                    + f" (whether it received gradient: under What happened); default policy {r.exit.policy}")
@@ -174,7 +184,11 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
               f"- optimizer steps: {report['steps']}",
               *([f"- initialised from run `{report['init_from']}`"
                  + ("; language-model weights frozen (bit-identical), only the exit gate trained"
-                    if rec.get("train", {}).get("stage") == 2 else "")] if report.get("init_from") else []),
+                    if rec.get("train", {}).get("stage") == 2 else "")
+                 + (f"; new modules started from their initialisation: {', '.join(report['init_fresh_modules'])}"
+                    if report.get("init_fresh_modules") else "")] if report.get("init_from") else []),
+              *([f"- parameters each optimizer held: "
+                 + ", ".join(f"{k} {v:,}" for k, v in report["optimizer"].items())] if report.get("optimizer") else []),
               f"- sampled forward rounds (per micro-batch): {_hist_line(report['depth_histogram'])}; "
               f"mean {report['mean_train_rounds']:.2f}",
               f"- gradient-visible rounds: {_hist_line(report['backward_histogram'])}"
