@@ -54,6 +54,7 @@ BASE: dict[str, list[str]] = {
     "experiment depth": ["--quick", "--variants", "plain", "--out", FRESH],
     "experiment looping": [IMPORTED, "--spans", "1:3", "--updates", "plain", "--windows", "1", "--length", "16",
                            "--questions", "1", "--out", FRESH],
+    "experiment retrofit": ["--from", IMPORTED, "--data", TEXT, "--quick", "--windows", "1", "--out", FRESH],
 }
 
 # A value each option accepts, where the parser has no default to use: "*" for every command, or a
@@ -93,6 +94,7 @@ VALID: dict[str, dict[str, str]] = {
     "--seeds": {"*": "0"}, "--lookup-threshold": {"*": "0.5"}, "--variants": {"*": "plain"},
     "--spans": {"*": "1:3"}, "--updates": {"*": "plain"}, "--windows": {"*": "1"}, "--length": {"*": "16"},
     "--questions": {"*": "1"},
+    "--from": {"*": IMPORTED}, "--minutes": {"*": "0.02"},
 }
 
 # Options that need a companion to do anything (alone they must be refused in one line, which the
@@ -121,9 +123,10 @@ INVALID = {"--out": [AFILE], "--hf": [AFILE]}
 # Leaves whose every run costs seconds: their options' valid values are tried together in one run (each
 # option still gets its own runs with refused values, which end before any work).
 COMBINED = {"train", "check", "bench decode", "bench train", "experiment extrapolate", "experiment deeploop",
-            "experiment loopmoe", "experiment depth", "experiment looping"}
+            "experiment loopmoe", "experiment depth", "experiment looping", "experiment retrofit"}
 # ... except options that pick another mode of the command: each of these gets its own valid run
-MODES = {("train", "--resume"), ("train", "--stage2"), ("train", "--init")}
+MODES = {("train", "--resume"), ("train", "--stage2"), ("train", "--init"),
+         ("experiment retrofit", "--minutes")}            # the other budget: --tokens and --minutes exclude each other
 
 
 def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):

@@ -216,12 +216,14 @@ def calibrate_tokens(minutes: float, factors: list[float], init_dir: Path, overr
 
 def expected_train_flops_per_token(recipe) -> float:
     """Training FLOPs per token at the recipe's mean depth (the planning estimate; what was spent is counted)."""
-    from ..model.flops import Visits, pass_flops
+    from ..model.flops import Visits, pass_flops, prelude_receives_gradient
     from ..train.depth import expected_depth
     d = recipe.depth
     r = max(1, round(expected_depth(d)))
     w = r if recipe.backward.window == "all" else min(r, recipe.backward.window)
-    visits = Visits(rounds=r, grad_rounds=w, readouts=1, grad_readouts=1, prelude_grad=w == r)
+    grad_rounds = tuple(range(r - w + 1, r + 1))
+    visits = Visits(rounds=r, grad_rounds=w, readouts=1, grad_readouts=1,
+                    prelude_grad=prelude_receives_gradient(recipe.model, grad_rounds))
     return pass_flops(recipe.model, visits, (recipe.data.seq_len + 1) / 2)["total"]
 
 
