@@ -239,6 +239,11 @@ def test_the_report_has_every_model_and_contract_key(experiment):
         assert (out / f).is_file()
     for name in ("baseline", "retrofit-keep", "retrofit-drop"):
         assert (out / "runs" / name / "report.md").is_file()           # each run's recipe card
+        # the adapter is what the import lacked: it started fresh in the retrofits, and the card says so
+        fresh = json.loads((out / "runs" / name / "report.json").read_text())["init_fresh_modules"]
+        assert fresh == (["adapter."] if name.startswith("retrofit") else [])
+    assert "new modules started from their initialisation: adapter." in \
+        (out / "runs" / "retrofit-keep" / "report.md").read_text()
 
 
 def test_every_number_of_one_model_recomputed(experiment):

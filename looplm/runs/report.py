@@ -186,7 +186,11 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                  + ("; language-model weights frozen (bit-identical), only the exit gate trained"
                     if rec.get("train", {}).get("stage") == 2 else "")
                  + (f"; new modules started from their initialisation: {', '.join(report['init_fresh_modules'])}"
-                    if report.get("init_fresh_modules") else "")] if report.get("init_from") else []),
+                    if report.get("init_fresh_modules") else "")
+                 + ("; the concat adapter came with the weights (model.adapter_init applied to none)"
+                    if rec.get("model", {}).get("injection") == "concat"
+                    and "adapter." not in report.get("init_fresh_modules", []) else "")]
+                if report.get("init_from") else []),
               *([f"- parameters each optimizer held: "
                  + ", ".join(f"{k} {v:,}" for k, v in report["optimizer"].items())] if report.get("optimizer") else []),
               f"- sampled forward rounds (per micro-batch): {_hist_line(report['depth_histogram'])}; "
