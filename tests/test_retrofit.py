@@ -398,3 +398,36 @@ def test_lm_eval_scores_the_retrofit_at_several_depths(experiment):
         assert got == pytest.approx(want, abs=1e-4)
         scores[r] = got
     assert scores[1] != scores[4]
+
+
+def test_a_first_phase_holds_everything_around_the_loop_still(tmp_path):
+    """train.freeze_outer_steps = 2: after two steps the embedding, prelude, coda, final norm and head are the
+    initial weights bit for bit while the core moved; after four they moved too; the report counts 2."""
+    from looplm.runs.checkpoint import load_weights
+    from looplm.train.trainer import train
+    write_corpus(tmp_path / "text")
+    recipe = looplm.load_recipe("quickstart", {"model.d_model": 32, "model.n_heads": 2, "model.n_core": 1,
+                                               "train.steps": 4, "train.batch_size": 2, "data.seq_len": 16,
+                                               "data.max_bytes": 20000, "train.checkpoint_every": 2,
+                                               "train.eval_batches": 1, "train.freeze_outer_steps": 2,
+                                               "optim.warmup_steps": 0, "data.path": str(tmp_path / "text")})
+    torch.manual_seed(recipe.train.seed)
+    start = dict(looplm.build_model(recipe).named_parameters())
+    run = tmp_path / "run"
+    train(recipe, run, quiet=True, stop_after=2)
+
+    def weights():
+        m = looplm.build_model(recipe)
+        load_weights(run, m)
+        return dict(m.named_parameters())
+    outer = ("embed.", "prelude.", "coda.", "final_norm.", "head.")
+    two = weights()
+    for n, p in two.items():
+        if n.startswith(outer):
+            assert torch.equal(p, start[n]), n
+    assert not torch.equal(two["core.0.mlp.up.weight"], start["core.0.mlp.up.weight"])
+    train(recipe, run, quiet=True, resume=True)
+    four = weights()
+    assert not torch.equal(four["prelude.0.attn.q.weight"], start["prelude.0.attn.q.weight"])
+    assert not torch.equal(four["embed.weight"], start["embed.weight"])
+    assert json.loads((run / "report.json").read_text())["outer_frozen_steps"] == 2

@@ -80,7 +80,8 @@ TRAINING_ONLY: dict[str, tuple[str, ...]] = {
               "eps", "grad_clip"),
     "train": ("steps", "batch_size", "grad_accum", "seed", "dtype", "device", "compile", "parallel",
               "activation_checkpointing", "alignment_every", "mor_warmup_steps", "tensorboard", "lockstep_check",
-              "log_every", "checkpoint_every", "eval_batches", "threads", "stage", "stage2_k", "stage2_gamma"),
+              "log_every", "checkpoint_every", "eval_batches", "threads", "stage", "stage2_k", "stage2_gamma",
+              "freeze_outer_steps"),
 }
 """Fields that shape training only: the initialisation and expert choice's training top-k capacities (at
 inference a token continues by the router's causal decision, as looplm decodes), and the loss placement,

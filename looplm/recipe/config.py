@@ -641,6 +641,11 @@ class TrainConfig:
     held-out examples per difficulty instead)."""
     threads: int = 0
     """torch CPU threads (0 = torch default)."""
+    freeze_outer_steps: int = applies(STAGE_1, default=0)
+    """For the first N optimizer steps only the loop learns: the embedding, prelude, coda, final norm and LM head
+    have their gradients dropped before the step (neither AdamW nor Muon moves or decays them; their backward
+    still runs and is counted). A retrofit's first phase, while the shared core and the adapter adapt to
+    being looped. report.json's outer_frozen_steps counts the steps that froze them."""
     stage: Literal[1, 2] = 1
     """1: train everything; 2: freeze the LM and train only the exit gate (Ouro stage II)."""
     stage2_k: float = applies(when("train.stage", 2), default=50.0)
@@ -652,6 +657,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "eval_batches"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _check(self.threads >= 0, "train.threads", "must be >= 0")
+        _check(self.freeze_outer_steps >= 0, "train.freeze_outer_steps", "must be >= 0")
         _check(self.mor_warmup_steps >= 0, "train.mor_warmup_steps", "must be >= 0")
         _check(self.alignment_every >= 0, "train.alignment_every", "must be >= 0 (0 = never)")
         _check(not (self.alignment_every and self.parallel == "fsdp"), "train.alignment_every",

@@ -191,6 +191,8 @@ def render_markdown(report: dict[str, Any], plots: list[str]) -> str:
                     if rec.get("model", {}).get("injection") == "concat"
                     and "adapter." not in report.get("init_fresh_modules", []) else "")]
                 if report.get("init_from") else []),
+              *([f"- embedding, prelude, coda and head held still (gradients dropped) in the first "
+                 f"{report['outer_frozen_steps']} optimizer steps"] if report.get("outer_frozen_steps") else []),
               *([f"- parameters each optimizer held: "
                  + ", ".join(f"{k} {v:,}" for k, v in report["optimizer"].items())] if report.get("optimizer") else []),
               f"- sampled forward rounds (per micro-batch): {_hist_line(report['depth_histogram'])}; "

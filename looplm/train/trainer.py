@@ -44,6 +44,8 @@ from .parallel import (SINGLE, World, all_gather_ints, all_sum, checkpoint_core,
                        lockstep, no_sync, parallelize, rank_device, shard)
 
 
+OUTER_MODULES = ("embed.", "prelude.", "coda.", "final_norm.", "head.")
+"""What train.freeze_outer_steps holds still: everything around the loop."""
 FRESH_MODULES = ("gate.", "adapter.", "decay.", "state_norm.")
 """Modules `train --init` / `--stage2` may add to the run they start from (the file lacks them whole); which
 did is report.json's init_fresh_modules."""
@@ -106,6 +108,8 @@ class Counters:
     """supervision.fixed_point: micro-batches whose loss carried the term (a one-round step has none)."""
     fixed_point_sum: float = 0.0
     """supervision.fixed_point: the term's value (unweighted) summed over those micro-batches."""
+    outer_frozen_steps: int = 0
+    """train.freeze_outer_steps: optimizer steps whose embedding/prelude/coda/head gradients were dropped."""
     last_visits: Visits | None = None
     """The block visits of the last micro-batch, as counted into train_flops (not saved)."""
 
@@ -124,7 +128,8 @@ class Counters:
                 "gate_grad_steps": torch.tensor(self.gate_grad_steps, dtype=torch.long),
                 "pass_histogram": hist(self.pass_histogram),
                 "feedback_token_passes": torch.tensor(self.feedback_token_passes, dtype=torch.long),
-                "fixed_point": torch.tensor([self.fixed_point_micro, self.fixed_point_sum], dtype=torch.float64)}
+                "fixed_point": torch.tensor([self.fixed_point_micro, self.fixed_point_sum], dtype=torch.float64),
+                "outer_frozen_steps": torch.tensor(self.outer_frozen_steps, dtype=torch.long)}
 
     @classmethod
     def from_state(cls, s: dict[str, torch.Tensor]) -> "Counters":
@@ -146,6 +151,8 @@ class Counters:
         if "fixed_point" in s:          # absent from checkpoints written before the term existed
             n, total = s["fixed_point"].tolist()
             out.fixed_point_micro, out.fixed_point_sum = int(n), total
+        if "outer_frozen_steps" in s:   # absent from checkpoints written before the field existed
+            out.outer_frozen_steps = int(s["outer_frozen_steps"])
         return out
 
 
@@ -480,6 +487,7 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
     scaler = grad_scaler(device, recipe.train.dtype)
     opt = make_optimizer(model, recipe, trainable_only=True)
     names = _optimizer_names(model, opt)
+    outer = [p for n, p in model.named_parameters() if n.startswith(OUTER_MODULES)]
     if state is not None:
         saved_opt = optimizer_state_for(state["optimizer"], int(state["version"]), names)
         if parallel == "fsdp":
@@ -559,6 +567,10 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
         if model.gate is not None:   # the recipe card's gate line comes from these steps, not from the recipe
             sums = [full_tensor(p.grad.detach().abs().sum()) for p in model.gate.parameters() if p.grad is not None]
             counters.gate_grad_steps += int(bool(sums) and torch.stack(sums).sum().item() > 0)   # one host sync
+        if step < recipe.train.freeze_outer_steps:      # a first phase in which only the loop learns
+            for p in outer:
+                p.grad = None
+            counters.outer_frozen_steps += 1
         clip = recipe.optim.grad_clip
         params = [p for g in opt.param_groups for p in g["params"]]
         scaler.unscale_(opt)        # clip the true gradients (a no-op unless fp16)
@@ -814,6 +826,7 @@ def build_report(recipe: Recipe, model: LoopedLM, sampler, counters: Counters, v
         "steps": len(counters.losses),
         "unique_tokens": sampler.unique_tokens(),
         "tokens_seen": counters.tokens_seen,
+        "outer_frozen_steps": counters.outer_frozen_steps,
         "token_passes": counters.token_passes,
         "params_stored": model.params_stored(),
         "params_per_token_visit": model.params_per_token_visit(mean_depth),
