@@ -365,8 +365,9 @@ def write_plot(out: Path, result: dict[str, Any]) -> str:
             ax.plot(xs, [m["val_loss_by_rounds_before"][str(r)] for r in xs], linestyle=":", alpha=0.6,
                     label=f"{name} (before)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")          # a 20-nat untrained curve beside trained ones near 2: both stay readable
     ax.set_xlabel("rounds of the core")
-    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_ylabel("held-out loss (nats/token, log scale)")
     ax.set_title(f"retrofit, {result['tokens_per_model']:,} training tokens per model")
     ax.legend(fontsize=7)
     fig.tight_layout()
