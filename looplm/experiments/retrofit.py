@@ -166,10 +166,11 @@ def model_before(recipe, init_dir: Path) -> torch.nn.Module:
     from ..model.looped import build_model
     from ..runs.checkpoint import load_weights
     from ..train.trainer import FRESH_MODULES
+    from ..device import resolve_device
     torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe)
+    model = build_model(recipe)                 # initialised on the CPU, as the trainer does, then moved
     load_weights(init_dir, model, allow_missing=FRESH_MODULES)
-    return model.eval()
+    return model.to(resolve_device(recipe.train.device)).eval()
 
 
 def train_arm(recipe, init_dir: Path, run_dir: Path, say: Callable[[str], None],
@@ -200,6 +201,7 @@ def calibrate_tokens(minutes: float, factors: list[float], init_dir: Path, overr
     recipe = init_recipe(init_dir, None, {**overrides, **UNLOOPED})
     model = model_before(recipe, init_dir).train()
     opt = make_optimizer(model, recipe)
+    device = next(model.parameters()).device       # the device training will use (model_before put it there)
     x = torch.randint(0, recipe.model.vocab_size, (recipe.train.batch_size, recipe.data.seq_len))
     times = []
     for step in range(3):
@@ -207,6 +209,8 @@ def calibrate_tokens(minutes: float, factors: list[float], init_dir: Path, overr
         train_step(model, recipe, x, x, step, 0, Counters())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":                    # the step's kernels finished, not only queued
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     tok_s = x.numel() / min(times[1:])
     tokens = int(minutes * 60 * tok_s / sum(factors))
@@ -276,7 +280,7 @@ def run_retrofit(*, source_run: Path | None, out: Path, data: str | None, tokens
                                  "run": str(out / "runs" / arm.name) if arm.kind != "original" else str(inits[arm.name])}
         if arm.kind == "original":
             from ..runs.checkpoint import load_run
-            run = load_run(inits[arm.name])
+            run = load_run(inits[arm.name], device=recipes["baseline"].train.device)
             batches = held_out_for(inits[arm.name], recipes["baseline"], windows)
             before = losses_by_rounds(run.model, batches, rounds)
             entry.update(val_loss_by_rounds=before, val_loss_by_rounds_before=before, train_flops=0.0,
@@ -309,7 +313,7 @@ def run_retrofit(*, source_run: Path | None, out: Path, data: str | None, tokens
             return result
         reports[arm.name] = report
         from ..runs.checkpoint import load_run
-        trained = load_run(run_dir)
+        trained = load_run(run_dir, device=recipe.train.device)
         after = losses_by_rounds(trained.model, batches, rounds)
         entry.update(val_loss_by_rounds=after, val_loss_by_rounds_before=before,
                      train_flops=report["train_flops"], train_tokens=report["tokens_seen"],
