@@ -161,7 +161,18 @@ class ExitController:
         self.depth = torch.full((n,), rounds, dtype=torch.long, device=device) if policy.kind == "routed" else None
         """(N,) routed: each token's chosen depth (`set_depth`)."""
         self.logits: torch.Tensor | None = None                                       # (N, V) latest readout
-        self._read_at = 0                                                             # its round
+        self._read_at = torch.zeros(n, dtype=torch.long, device=device)               # (N,) its round per token
+
+    def reset(self, ids: torch.Tensor) -> None:
+        """Tokens `ids` (M,) start a new pass (continuous depth batching: a slot whose token exited takes the
+        next token): active again, no exit round, survival 1, no earlier readout."""
+        self.active[ids] = True
+        self.exit_round[ids] = self.rounds
+        self._read_at[ids] = 0
+        if self.survival is not None:
+            self.survival[ids] = 1.0
+        if self.depth is not None:
+            self.depth[ids] = self.rounds
 
     def set_depth(self, ids: torch.Tensor, depth: torch.Tensor) -> None:
         """routed: the depths (M,) a router chose for tokens ids (M,), before their round 1."""
@@ -193,10 +204,10 @@ class ExitController:
         if logits is not None:
             if self.logits is None:
                 self.logits = logits.new_zeros(self.n, logits.shape[-1])
-            elif policy.kind == "kl" and self._read_at == r - 1:
+            elif policy.kind == "kl" and bool((self._read_at[ids] == r - 1).all()):
                 prev = self.logits[ids]                                               # (M, V) round r-1's
             self.logits[ids] = logits
-            self._read_at = r
+            self._read_at[ids] = r
         if r >= R:
             stop = torch.ones(M, dtype=torch.bool, device=ids.device)
         elif r not in self.decide_rounds:

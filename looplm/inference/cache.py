@@ -50,6 +50,11 @@ computing), and `commit(rounds_used)` closes the chunk (copy-forward or depth bo
 first/average reduction) for the chunk's rows only. `truncate(filled)` rolls back (speculative
 decoding): the columns from `filled` on hold entries of tokens that were rejected, and a chunk
 that would read them before they are written again is refused (`begin` raises).
+
+Rows at their own columns and rounds (continuous depth batching, inference/depth.py): `RowColumns`
+is a `KVCache` over the same storage for one column per row, where each row writes and reads at its
+own column and its core visits at its own round; `finish_rows` is its `commit` (copy-forward, mask
+depths, shared-policy reductions), row by row, when a row's token leaves the loop.
 """
 
 from __future__ import annotations
@@ -145,6 +150,7 @@ class LoopKVCache:
         self._base_mask: Tensor | None = None
         self._round_masks: dict[int, Tensor | None] = {}
         self._stash: dict[int, tuple[Tensor, Tensor]] = {}
+        self._row_stash: tuple[Tensor, Tensor] | None = None     # RowColumns' shared-policy stash, (B, K, H, Dh)
 
     # -- accounting -----------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
@@ -313,6 +319,52 @@ class LoopKVCache:
             return per_round[-1]
         return per_round.mean(0)
 
+    # -- rows at their own columns (RowColumns) ---------------------------------------------------
+    def start_rows(self, rows: Tensor, cols: Tensor) -> None:
+        """Rows `rows` (M,) begin a token at their columns `cols` (M,) (decode phase): the column counts as
+        every round until `finish_rows` says how many it ran."""
+        self.written = max(self.written, int(cols.max()) + 1)
+        self.filled = max(self.filled, int(cols.max()) + 1)
+        self.depth[rows, cols] = self.rounds
+
+    def row_stash(self, i: int, rows: Tensor, rounds: Tensor, k: Tensor, v: Tensor) -> None:
+        """Shared layout: core block i's round-1 entry (first) or running sum (average) per row, k, v (M, H, Dh)."""
+        policy = self.policies["decode"]
+        if policy not in ("first", "average"):
+            return
+        if self._row_stash is None:
+            shape = (self.batch, self.n_core, *k.shape[1:])
+            self._row_stash = (torch.zeros(shape, dtype=k.dtype, device=k.device),
+                               torch.zeros(shape, dtype=k.dtype, device=k.device))
+        sk, sv = self._row_stash
+        first = rounds == 1
+        sk[rows[first], i], sv[rows[first], i] = k[first], v[first]
+        if policy == "average":
+            later = ~first
+            sk[rows[later], i] += k[later]
+            sv[rows[later], i] += v[later]
+
+    def finish_rows(self, rows: list[int], cols: list[int], used: list[int]) -> None:
+        """Rows' tokens at their columns left the loop after `used` rounds each: what `commit` does for a
+        chunk, per row (decode policy): copy-forward or the mask depth under full, the kept entry otherwise."""
+        R, policy = self.rounds, self.policies["decode"]
+        for b, c, n in zip(rows, cols, used):
+            if self.per_round:
+                for part in (self.k_core, self.v_core):
+                    if policy == "full":
+                        if self.missing == "copy_forward" and n < R:
+                            part[n:, :, b, :, c] = part[n - 1, :, b, :, c].unsqueeze(0)
+                    else:
+                        part[:, :, b, :, c] = self._reduce(part[:n, :, b, :, c], policy).unsqueeze(0)
+                if policy == "full" and self.missing == "mask":
+                    self.depth[b, c] = n
+                    self._holes = self._holes or n < R
+            elif policy in ("first", "average"):
+                sk, sv = self._row_stash
+                div = 1.0 if policy == "first" else float(n)
+                self.k_core[0, :, b, :, c] = sk[b] / div
+                self.v_core[0, :, b, :, c] = sv[b] / div
+
     def reorder(self, order: Tensor) -> None:
         """Row b now holds what row order[b] held (a permutation of the rows: the batch compacts its
         running rows, inference/batch.py). In place, so the slots' views stay the storage's."""
@@ -332,6 +384,50 @@ class LoopKVCache:
             raise ValueError(f"truncate to {filled} outside 0..{self.length}")
         self.filled = min(self.filled, filled)
         self.written = min(self.written, filled)
+
+
+class RowColumns:
+    """A `KVCache` for one column per row, each row at its own column and round (continuous depth batching).
+
+    rows (M,) cache rows, cols (M,) the column each row's token occupies, rounds (M,) the round each
+    row's core visits run (None: a prelude or coda pass). A visit writes row m's k/v at (rows[m],
+    cols[m]) of its slot (core: the row's own round's slot under a per-round layout, the one shared
+    slot otherwise) and row m attends to its columns pad..cols[m] of that slot; under `missing = mask`
+    columns whose token stopped before the row's round are left out (the token's own column counts as
+    every round). The history a row reads is exactly what a one-column `begin`/`update` chunk of that
+    row alone reads, so a row's result does not depend on which rows, rounds or columns share its step.
+    Reading gathers each row's history (a copy of (M, H, max col + 1, Dh) per visit), the price of
+    rows at different rounds and columns in one product."""
+
+    def __init__(self, cache: LoopKVCache, rows: Tensor, cols: Tensor, rounds: Tensor | None = None):
+        self.c, self.rows, self.cols, self.rounds = cache, rows, cols, rounds
+        M, E = rows.shape[0], int(cols.max()) + 1
+        kcols = torch.arange(E, device=cols.device)
+        self.E = E
+        self.mask = (cache._valid[rows, ..., :E] & (kcols[None, :] <= cols[:, None]).view(M, 1, 1, E))  # (M,1,1,E)
+        self.core_mask = self.mask
+        if rounds is not None and cache.per_round and cache.missing == "mask":
+            self.core_mask = self.mask & (cache.depth[rows, :E] >= rounds[:, None]).view(M, 1, 1, E)
+        # the core slot each row writes: its round's under the per-round layout, the shared one otherwise
+        self.slot = None if rounds is None else (rounds - 1 if cache.per_round else torch.zeros_like(rounds))
+
+    def attend(self, slot: tuple, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """`KVCache.attend` for one column per row: q, k, v (M, H, 1, Dh)."""
+        c, rows, cols, E = self.c, self.rows, self.cols, self.E
+        kind, _, i = slot
+        if kind == "core":
+            if self.slot is None:
+                raise ValueError("RowColumns: core visits need each row's round")
+            s = self.slot
+            c.k_core[s, i, rows, :, cols] = k[:, :, 0]
+            c.v_core[s, i, rows, :, cols] = v[:, :, 0]
+            if not c.per_round:
+                c.row_stash(i, rows, self.rounds, k[:, :, 0], v[:, :, 0])
+            return sdpa(q, c.k_core[s, i, rows, :, :E], c.v_core[s, i, rows, :, :E], self.core_mask)
+        kb, vb = (c.k_prelude[i], c.v_prelude[i]) if kind == "prelude" else (c.k_coda[i], c.v_coda[i])
+        kb[rows, :, cols] = k[:, :, 0]
+        vb[rows, :, cols] = v[:, :, 0]
+        return sdpa(q, kb[rows, :, :E], vb[rows, :, :E], self.mask)
 
 
 def _index(rows: Tensor | None) -> Tensor | slice | None:

@@ -57,8 +57,11 @@ from .kernels import PackedOps, rope_rows
 from ..model.looped import initial_noise_table
 from .sampler import SamplingParams, TokenEvent, is_int, positions_run
 from .batch import DecodeBatch
+from .depth import DepthBatch
 from .speculative import SpeculativeRun, parse_speculative
 from .recirculation import Recirculation, recirculated_chunk
+from . import capabilities
+from .capabilities import BATCHINGS, Decode
 
 __all__ = ["ChunkResult", "Completion", "Engine", "GenerationConfig", "SamplingParams", "TokenEvent", "check_contrast",
            "contrast_logits", "generate_for_run", "parse_contrast"]
@@ -124,6 +127,10 @@ class GenerationConfig:
     the readout (coda, final norm, head: the logit lens) of the state after round r < R and z_R the final
     round's, in float32 before any sampling transform (`contrast_logits`). Fixed depth only; costs one
     more coda and head pass per chunk. None: plain decoding."""
+    batching: str = "exit"
+    """How decode steps group tokens (capabilities.BATCHINGS): exit (a step runs every row's token until the
+    deepest exits), depth (continuous depth batching: one round per step for every token in flight, a row
+    whose token exits takes its next one at once; inference/depth.py) or static (every token at full depth)."""
 
 
 class ChunkResult(NamedTuple):
@@ -163,12 +170,12 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: GenerationConfig | None = None):
         config = config or GenerationConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.given = config                       # as the caller gave it (before a routed/shared model's rules)
         self.cfg = model.cfg
         self.feedback = getattr(model, "feedback", None) is not None     # prompt modes (SamplingParams)
-        if self.cfg.round_update == "euler":
-            raise UserError("model.round_update = euler: the cached engine holds one key/value entry per block "
-                            "visit and Euler sub-steps visit each core block k times a round; evaluate it with "
-                            "whole-sequence forwards (looplm eval, lm-eval, generate --no-cache)")
+        if config.batching not in BATCHINGS:
+            raise UserError(f"--batching {config.batching!r}: expected one of {', '.join(BATCHINGS)}")
+        capabilities.check(Decode.of(model, config))   # what combines with what: one table (capabilities.py)
         if getattr(model, "mor_router", None) is not None:
             config = self._routed_config(config, model)
             self.config = config
@@ -196,28 +203,19 @@ class Engine:
             self.rounds = config.rounds or model.nominal_rounds
         if self.cfg.untied and self.rounds != model.nominal_rounds:
             raise UserError(f"--rounds: this untied baseline runs exactly {model.nominal_rounds} rounds")
-        if self.policy.kind == "quantile" and model.gate is None:
-            raise UserError(f"--exit {self.policy}: quantile needs a model trained with an exit gate (exit.gate)")
         self.adaptive = self.policy.kind != "fixed"
         self.speculative: tuple[int | None, int] | None = None    # (draft rounds or None: by the exit policy, K)
         if config.speculative:
             self.speculative = parse_speculative(config.speculative, self.rounds)
-            if self.speculative[0] is None and not self.adaptive:
-                raise UserError(f"--speculative {config.speculative}: exit drafts stop by an early-exit policy; pass "
-                                f"--exit entropy:TAU, kl:EPS or quantile:Q (the output stays full-depth)")
-            if self.speculative[0] is not None and self.adaptive:
-                raise UserError(f"--speculative verifies at full depth; drafts of a fixed ROUNDS cannot be combined "
-                                f"with the early-exit policy {self.policy} (from --exit or the recipe's exit.policy); "
-                                f"pass --exit fixed, or draft with the policy: --speculative exit:K")
-            if config.decode_cache != "full":
-                raise UserError("--speculative needs --decode-cache full (verification must reproduce plain decoding)")
-        if self.feedback:
-            self._check_feedback()
         self.mixer: Any = None         # recirculation's learned coefficients (None: its fixed alpha, beta)
         if config.recirculation is not None:
-            self._check_recirculation(config.recirculation)
+            config.recirculation.check(self.cfg, self.rounds)
+            if config.recirculation.mixer is not None:
+                from ..model.mixer import load_mixer
+                self.mixer = load_mixer(config.recirculation.mixer, self.cfg.d_model).to(
+                    next(self.model.parameters()).device)
         if config.contrast is not None:
-            self._check_contrast(config.contrast)
+            check_contrast(config.contrast, self.rounds)
         self.last_stats: dict[str, Any] = {}
         self._fast: PackedOps | None = None
 
@@ -229,6 +227,9 @@ class Engine:
         if config is not None:
             base.update({k: getattr(config, k) for k in config.__dataclass_fields__})
         base.update(overrides)
+        given = {**({} if config is None else {"exit": config.exit}), **overrides}
+        if base.get("batching") == "static":   # the full-depth baseline: the recipe's exit settings are not it
+            base.update({k: v for k, v in (("exit", "fixed"), ("exit_in_prefill", False)) if k not in given})
         return cls(run.model, run.tokenizer, GenerationConfig(**base))
 
     # -- public API -----------------------------------------------------------------------
@@ -257,6 +258,8 @@ class Engine:
             if len(ids) != 1:
                 raise UserError("--speculative decodes one prompt at a time (batch 1)")
             return SpeculativeRun(self, ids, plist, deltas)
+        if self.config.batching == "depth":
+            return DepthBatch(self, capacity or len(ids), deltas, prompts=(ids, plist))
         return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
@@ -311,48 +314,6 @@ class Engine:
                             "only standard applies")
         return mode
 
-    def _check_feedback(self) -> None:
-        """What a feedback model decodes with: fixed depth, no speculation (refused, not ignored)."""
-        if self.adaptive or self.config.exit_in_prefill:
-            raise UserError(f"--exit {self.policy}: a feedback model decodes at a fixed depth for now (the top state "
-                            "it carries is the last round's)")
-        if self.speculative:
-            raise UserError("--speculative: not available for a feedback model yet (its carried state would have to "
-                            "roll back with the cache)")
-
-    def _check_recirculation(self, rc: Recirculation) -> None:
-        """What recirculation runs with: its visits exist; every position runs every visit once per pass (no
-        exits, no routing), one stream of state per position (no feedback), each slot a column of its own
-        (full caches), no drafts to roll back (no speculation). Refused, not ignored."""
-        rc.check(self.cfg, self.rounds)
-        if rc.mixer is not None:
-            from ..model.mixer import load_mixer
-            self.mixer = load_mixer(rc.mixer, self.cfg.d_model).to(next(self.model.parameters()).device)
-        why = ("an early-exit policy (visits would differ per token)" if self.adaptive or self.config.exit_in_prefill
-               else "a Mixture-of-Recursions router" if getattr(self.model, "mor_router", None) is not None
-               else "full-bandwidth feedback" if self.feedback
-               else "--speculative" if self.speculative
-               else "a shared cache policy (each visit's refined entries need their own slot: --prefill-cache full "
-                    "--decode-cache full)" if (self.config.prefill_cache, self.config.decode_cache) != ("full", "full")
-               else None)
-        if why:
-            raise UserError(f"recirculation: not available with {why}")
-
-    def _check_contrast(self, contrast: tuple[int, float]) -> None:
-        """What contrastive decoding runs with: a fixed depth R for every token (one final round and one
-        earlier round r to contrast), and no other rewriting of the logits' source. Refused, not ignored."""
-        check_contrast(contrast, self.rounds)
-        why = ("a Mixture-of-Recursions router (each token's final round is its own)"
-               if getattr(self.model, "mor_router", None) is not None
-               else f"the early-exit policy {self.policy} (a token that exits has no final round R to contrast; "
-                    "pass --exit fixed)" if self.adaptive
-               else "--speculative (its drafts and their verification read plain logits)" if self.speculative
-               else "recirculation (its refined passes read out the plain logits)" if self.config.recirculation
-               else "full-bandwidth feedback (its carried top state is the final round's plain readout)"
-               if self.feedback else None)
-        if why:
-            raise UserError(f"--contrast: not available with {why}")
-
     @staticmethod
     def _routed_config(config: GenerationConfig, model: Any) -> GenerationConfig:
         """A Mixture-of-Recursions model decodes the function it was trained as: every token (prompt
@@ -370,11 +331,7 @@ class Engine:
                 raise UserError(f"--{key.replace('_', '-')} {given}: this Mixture-of-Recursions model was trained "
                                 f"with the {rule} cache rule, which decodes with {key} = {value}")
         if config.exit.strip() != "fixed" or (config.rounds not in (None, model.nominal_rounds)):
-            raise UserError("--exit/--rounds: a Mixture-of-Recursions model's router decides each token's depth "
-                            f"(1..{model.nominal_rounds}); other exit policies or depths are not its function")
-        if config.speculative:
-            raise UserError("--speculative: not available for a Mixture-of-Recursions model (drafts at a fixed "
-                            "depth are not the routed function)")
+            raise UserError(capabilities.routed_depth(model.nominal_rounds))
         return dataclasses.replace(config, **want, exit_in_prefill=True)
 
     @staticmethod
@@ -388,9 +345,6 @@ class Engine:
             if given not in ("first", getattr(GenerationConfig(), key)):
                 raise UserError(f"--{key.replace('_', '-')} {given}: this model was trained with model.kv_sharing = "
                                 f"first (every round reads round 1's keys/values), which decodes with {key} = first")
-        if config.speculative:
-            raise UserError("--speculative: not available for a model trained with model.kv_sharing = first (its "
-                            "verification would need the full per-round cache)")
         return dataclasses.replace(config, prefill_cache="first", decode_cache="first")
 
     def new_cache(self, batch: int, length: int, pad: Tensor | None = None) -> LoopKVCache:
@@ -482,7 +436,7 @@ class Engine:
                               commit=commit, rows=rows, trace=trace, may_exit=may_exit, work=work,
                               work_phase=work_phase, feedback=feedback, tops=tops)
         if rounds is not None or not commit or trace is not None or may_exit is not None or feedback or tops is not None:
-            raise ValueError("recirculation runs full-depth committed chunks (Engine._check_recirculation)")
+            raise ValueError("recirculation runs full-depth committed chunks (capabilities.py refuses the rest)")
         return recirculated_chunk(self, rc, idx, start, cache, phase=phase, noise=noise, all_logits=all_logits,
                                   rows=rows, work=work, work_phase=work_phase)
 
@@ -536,7 +490,7 @@ class Engine:
             # decoding leaves there (cache.py: one coda slot, last write wins; the core never reads it)
             contrast = self.config.contrast if head else None
             if contrast is not None and R != self.rounds:
-                raise ValueError("contrastive decoding runs the engine's depth (Engine._check_contrast refuses drafts)")
+                raise ValueError("contrastive decoding runs the engine's depth (capabilities.py refuses drafts)")
             reads = (R,) if contrast is None else (contrast[0], R)
             run = unroll(lambda s, r: k.core_step(s, e, r, rope, cache), s, R, readout_rounds=reads,
                          readout=lambda s, r: k.readout(s, rope, cache, r, all_logits, top, head))
@@ -559,7 +513,7 @@ class Engine:
         if T != 1:
             raise ValueError("per-token exits run one column at a time")
         if feedback is not None or tops is not None:
-            raise ValueError("feedback decodes at a fixed depth (Engine._check_feedback)")
+            raise ValueError("feedback decodes at a fixed depth (capabilities.py)")
         if may_exit is not None and rows is not None:          # the controller counts cache rows
             may_exit = torch.ones(cache.batch, dtype=torch.bool, device=may_exit.device).index_put((rows,), may_exit)
         logits, used, ctl = self._rounds_with_exits(s, e, rope, cache, phase, rows, may_exit)    # (cache rows, ...)

@@ -258,8 +258,13 @@ class LoopedLM(nn.Module):
     def core_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any = None, ops: Ops = EAGER,
                   e_term: Tensor | None = None) -> Tensor:
         """One round: inject the input, run the K core blocks (round r picks its own blocks if untied).
-        e_term: `input_term(e)` when the caller computed it once for its rounds."""
+        e_term: `input_term(e)` when the caller computed it once for its rounds. r may be a (B,) tensor,
+        each row's own round (continuous depth batching: rows at different rounds share the step; the
+        cache's slot then carries the tensor, inference/cache.RowColumns), for tied one-visit rounds."""
         cfg, K = self.cfg, self.cfg.n_core
+        per_row = isinstance(r, Tensor)
+        if per_row and (cfg.untied or cfg.round_update == "euler"):
+            raise ValueError("rows at different rounds share a step only in a tied loop of one visit per block")
         blocks = self.core[(r - 1) * K: r * K] if cfg.untied else self.core
         x = self.inject(s, e, ops, e_term)
         k = cfg.round_substeps if cfg.round_update == "euler" and r > 1 else 1
@@ -275,8 +280,11 @@ class LoopedLM(nn.Module):
                 for _ in range(k):
                     x = x + (self.visit(block, x, rope, cache, ("core", r, i), ops) - x) / k
         out = rms_norm(self.state_norm, x) if self.state_norm is not None else x
-        if cfg.round_update == "damped" and r > 1:      # a step of size eta toward the core's output
-            out = s + cfg.round_eta * (out - s)
+        if cfg.round_update == "damped":                # a step of size eta toward the core's output (after round 1)
+            if per_row:
+                out = torch.where((r > 1).view(-1, *([1] * (out.dim() - 1))), s + cfg.round_eta * (out - s), out)
+            elif r > 1:
+                out = s + cfg.round_eta * (out - s)
         return out
 
     def routed_step(self, s: Tensor, e: Tensor, r: int, rope, cache: Any, weight: Tensor,

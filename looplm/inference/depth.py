@@ -1,0 +1,267 @@
+"""Continuous depth batching: every loop step runs the batch's tokens at whatever round each is on, and a
+slot freed by a token that exited is refilled at once, by the next token of its request or by a new
+request's first token.
+
+    batch = DepthBatch(engine, capacity=8)
+    row, events = batch.join("Hello", SamplingParams(max_new_tokens=32))   # prefilled now: its first token
+    while not batch.finished:
+        events = batch.step()                  # one loop step; events of the tokens that left the loop
+
+Why. Under an early-exit policy the plain decode step (batch.py, `serve --batching exit`) runs every
+row's token from round 1 until the deepest has exited; a row that exits early idles in the meantime.
+Here a step is one round for every token in flight (`LoopState`, loopstate.py); a token that exits is
+read out, sampled and its request's next token enters round 1 at the next step, beside tokens that are
+at round 3 or 5. Where a step's cost is flat in the rows it runs (a memory-bound device, or a small
+model whose steps are overhead), throughput grows toward (F0 + R Fr) / (F0 + d Fr) of full depth
+(F0 the prelude, coda and head of a token, Fr one round, d the mean exit round); where the cost grows
+with the rows (a compute-bound CPU) the plain exit batch already skips the exited rows' work.
+
+A step, in this order (one homogeneous pass each, the model's own pieces through the engine's kernels):
+1. entering tokens (a request's next token, sampled at the step before or at its prefill): the prelude at
+   their columns, each row's own column and position (`RowColumns`, cache.py); they join the loop state;
+2. one round of the core for every token in flight, each at its own round and column;
+3. the exit decision (`ExitController`, the one the engine uses, per round group), the readout (coda,
+   norm, head) of the tokens that stop, their cache entries closed as the decode policy says
+   (`LoopKVCache.finish_rows`: copy-forward or mask depths under full, the kept entry under shared
+   policies), sampling, events.
+
+Each request's arithmetic is what it is decoded alone: its prompt at columns 0..P-1 of its own row
+(prefilled in `join`, through the engine's chunk), each token's rounds reading the history its own
+row holds at that round (the visibility rule of the cache policy and `missing`), its initial-state noise
+from its own seed's table. Greedy tokens equal the same request's alone (tests/test_depth_batching.py).
+
+What it refuses (the engine's capability table, capabilities.py): speculation, recirculation,
+contrastive decoding, full-bandwidth feedback, Mixture-of-Recursions routers, untied depth and Euler
+sub-steps (a step mixes rounds of one tied block) -- each with its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..halting import ExitController
+from .batch import DecodeBatch
+from .cache import RowColumns
+from .kernels import rope_rows
+from .loopstate import LoopState
+from .request import RequestState
+from .sampler import Sampler, SamplingParams, TokenEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class DepthBatch(DecodeBatch):
+    """Rows decoded by continuous depth batching (see the module docstring). It shares DecodeBatch's
+    per-row machinery (requests, sampler, prompt chunks, events) and replaces its step: requests enter
+    with `join` (prefilled at once, columns from 0 in their own row), `step()` runs one loop step, and
+    `cancel` frees a row mid-loop. `finished`: no request in it is running (a new `join` starts it again)."""
+
+    def __init__(self, engine: "Engine", capacity: int, deltas: bool = True,
+                 prompts: tuple[list[list[int]], list[SamplingParams]] | None = None):
+        from .capabilities import check_batching
+        check_batching(engine, "depth")
+        engine.kernels()
+        if capacity < 1:
+            raise ValueError(f"capacity {capacity}: must be >= 1")
+        self.engine, self.deltas = engine, deltas
+        ref = next(engine.model.parameters())
+        self.device = ref.device
+        self.B = self.n_start = capacity
+        self.cache = engine.new_cache(capacity, engine.cfg.context, torch.zeros(capacity, dtype=torch.long))
+        idle = SamplingParams(max_new_tokens=1)
+        self.requests = [RequestState.new(idle, engine.tokenizer, deltas, done=True) for _ in range(capacity)]
+        self.noise = engine.initial_noise([idle] * capacity, ref)                 # (B, context, d) or None
+        self.sampler = Sampler([idle] * capacity, [[]] * capacity, engine.cfg.vocab_size, ref.device)
+        self.eos = getattr(engine.tokenizer, "eos_id", None)
+        self.cols = [0] * capacity            # the column of each row's current token
+        self.ctl = ExitController(engine.policy, engine.rounds, capacity, device=ref.device)
+        self.loop: LoopState | None = None    # the tokens in flight inside the loop
+        self.entering: list[int] = []         # rows whose latest sampled token enters the loop at the next step
+        self.work = engine.new_work()
+        self.started = True
+        self.steps = 0                        # loop steps run
+        self.row_rounds = 0                   # rounds computed, summed over the tokens that ran them
+        self.row_steps = 0                    # tokens that left the loop (decode tokens)
+        self.decode_s = 0.0                   # wall time of the loop steps
+        self._cpu_start = time.process_time()
+        self._waiting = list(zip(*prompts)) if prompts else []    # `Engine.batch`'s prompts: joined at the first step
+        if len(self._waiting) > capacity:
+            raise ValueError(f"capacity {capacity}: fewer rows than the {len(self._waiting)} prompts")
+        self.prefill_s, self.prompt_tokens, self._t0 = 0.0, 0, None
+        self.stats: dict[str, Any] = {"batching": "depth", "capacity": capacity, "rounds": engine.rounds,
+                                      "exit": str(engine.policy), "prefill_cache": engine.config.prefill_cache,
+                                      "decode_cache": engine.config.decode_cache, "missing": engine.config.missing,
+                                      "cache_bytes": self.cache.nbytes()}
+        engine.last_stats = self.stats
+
+    @property
+    def finished(self) -> bool:
+        return not self._waiting and all(r.done for r in self.requests)
+
+    @property
+    def free_rows(self) -> int:
+        return sum(r.done for r in self.requests)
+
+    @property
+    def in_flight(self) -> int:
+        """Tokens inside the loop now (the recurrent batch of the next step, before entering tokens)."""
+        return 0 if self.loop is None else len(self.loop)
+
+    def join(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+             ) -> tuple[int, list[TokenEvent]] | None:
+        """Prefill a new request into a free row (columns from 0): (row, its first token's events), or None
+        when no row is free. Its next token enters the loop at the next step."""
+        e = self.engine
+        (ids,), (sp,) = e.prepare([prompt], params)
+        free = [b for b, r in enumerate(self.requests) if r.done]
+        if not free:
+            return None
+        b = free[0]
+        t0 = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = t0
+        with torch.inference_mode():
+            self.cache.set_pad(b, 0)
+            if self.noise is not None:
+                from ..model.looped import initial_noise_table
+                self.noise[b] = initial_noise_table(e.cfg, sp.seed).to(self.noise)
+            self.sampler.set_row(b, sp, ids)
+            self.requests[b] = req = RequestState.new(sp, e.tokenizer, self.deltas)
+            req.mode = e.prompt_mode(sp)
+            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+            logits, used = self._run_prompt(idx, 0, torch.tensor([b], device=self.device))
+            self._sampled(logits, used, [b])
+            self.cols[b] = len(ids)
+            self.prefill_s += time.perf_counter() - t0
+            self.prompt_tokens += len(ids)
+            self.stats.setdefault("ttft_s", time.perf_counter() - self._t0)
+            events = self._emit([b])
+            if not req.done:
+                self.entering.append(b)
+        return b, events
+
+    def cancel(self, row: int) -> None:
+        """Stop a row (its client went away), mid-loop or between tokens: its place is free for `join`."""
+        req = self.requests[row]
+        if req.done:
+            return
+        req.done, req.prompt_lp, req.prompt_carry = True, None, None
+        if row in self.entering:
+            self.entering.remove(row)
+        if self.loop is not None:
+            gone = self.loop.rows == row
+            if bool(gone.any()):                 # its rounds so far were computed: they count
+                ran = int(self.loop.rounds[gone][0]) - 1
+                if ran:
+                    self.work.add("decode", self.cols[row], ran, readouts=0, rows=1)
+                self.loop = self.loop.keep(~gone)
+
+    def compact(self) -> None:
+        """Rows keep their places (each row reads only its own columns): nothing to move."""
+        return None
+
+    def step(self) -> list[TokenEvent]:
+        """One loop step (see the module docstring): the events of the tokens that left the loop."""
+        if self._waiting:                  # the prompts it was opened with: every one's first token
+            waiting, self._waiting = self._waiting, []
+            return [ev for ids, sp in waiting for ev in self.join(ids, sp)[1]]
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            if self.entering:
+                self._enter()
+            if self.loop is None or len(self.loop) == 0:
+                return []
+            events = self._round()
+            self.decode_s += time.perf_counter() - t0
+            return events
+
+    # -- inside ---------------------------------------------------------------------------
+    def _enter(self) -> None:
+        """The entering tokens' prelude at their own columns; they join the loop at round 1."""
+        e, k = self.engine, self.engine._fast or self.engine.kernels()
+        rows, self.entering = self.entering, []
+        dev = self.device
+        toks = torch.tensor([self.requests[b].token for b in rows], dtype=torch.long, device=dev)
+        self.sampler.observe(toks, rows)
+        r, c = torch.tensor(rows, device=dev), torch.tensor([self.cols[b] for b in rows], device=dev)
+        self.cache.start_rows(r, c)
+        self.ctl.reset(r)
+        s0 = None if self.noise is None else self.noise[r, c].unsqueeze(1)                       # (M, 1, d)
+        rope, x, s = e.model.loop_inputs(toks.view(-1, 1), 0, c.view(-1, 1), RowColumns(self.cache, r, c), k,
+                                         initial_state=s0)
+        new = LoopState(r, c, torch.ones_like(r), s, x, rope)
+        self.loop = new if self.loop is None else self.loop.merge(new)
+
+    def _round(self) -> list[TokenEvent]:
+        """One round for every token in flight; the exit decision; the stopped tokens read out and sampled."""
+        e, ctl = self.engine, self.ctl
+        k, m = e._fast or e.kernels(), e.model
+        L = self.loop
+        s = k.core_step(L.s, L.e, L.rounds, L.rope, RowColumns(self.cache, L.rows, L.cols, L.rounds))  # (M, 1, d)
+        ran = L.rounds                                                     # (M,) the round each token just ran
+        L = L.advanced(s)
+        self.steps += 1
+        self.row_rounds += len(L)
+        ran_l = ran.tolist()
+        hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None          # (M,)
+        read = [j for j, r in enumerate(ran_l) if ctl.needs_readout(r)]
+        logits_read: dict[int, Tensor] = {}
+        if read:                   # entropy/kl: the tokens at a read round are read out (coda, head)
+            sel = torch.tensor(read, device=self.device)
+            lg = k.readout(s[sel], rope_rows(L.rope, sel), RowColumns(self.cache, L.rows[sel], L.cols[sel]),
+                           max(ran_l), False)                              # (M', V)
+            logits_read = {j: lg[i] for i, j in enumerate(read)}
+        stop = torch.zeros(len(L), dtype=torch.bool, device=self.device)
+        for r in sorted(set(ran_l)):                                       # the controller decides per round
+            g = [j for j, x in enumerate(ran_l) if x == r]
+            gi = torch.tensor(g, device=self.device)
+            lg = torch.stack([logits_read[j] for j in g]) if g[0] in logits_read else None
+            stop[gi] = ctl.decide(r, L.rows[gi], hazard=None if hazard is None else hazard[gi], logits=lg)
+        if bool(stop.any()):
+            events = self._leave(L, s, stop, ran, logits_read)
+        else:
+            events = []
+        self.loop = L.keep(~stop)
+        return events
+
+    def _leave(self, L: LoopState, s: Tensor, stop: Tensor, ran: Tensor,
+               logits_read: dict[int, Tensor]) -> list[TokenEvent]:
+        """Tokens that stopped: their exit-round readout, their cache entries closed, the next token sampled."""
+        e, ctl = self.engine, self.ctl
+        k = e._fast or e.kernels()
+        idx = stop.nonzero().squeeze(1)
+        rows, cols, used = L.rows[idx].tolist(), L.cols[idx].tolist(), ran[idx].tolist()
+        if ctl.read_rounds:                 # every exit round is a read round: the decision's readout
+            logits = torch.stack([logits_read[j] for j in idx.tolist()])
+        else:                               # fixed, quantile: read out now, once
+            logits = k.readout(s[idx], rope_rows(L.rope, idx), RowColumns(self.cache, L.rows[idx], L.cols[idx]),
+                               max(used), False)
+        self.cache.finish_rows(rows, cols, used)
+        reads = ctl.read_rounds
+        for c, u in zip(cols, used):        # FLOPs of each token at its column (model/flops.py)
+            self.work.add("decode", c, u, readouts=sum(r <= u for r in reads) + (u not in reads),
+                          gate_rounds=u if ctl.needs_hazard else 0, rows=1)
+        self._sampled(logits, torch.tensor(used), rows)
+        self.row_steps += len(rows)
+        for b in rows:
+            self.cols[b] += 1
+        events = self._emit(rows)
+        self.entering += [b for b in rows if not self.requests[b].done]
+        return events
+
+    def _maybe_finish(self) -> None:
+        """The batch's running figures (it lives as long as its server: they are current at any time)."""
+        w = self.work
+        self.stats["flops"] = {"prefill": 0.0, "decode": 0.0, **w.by_phase, "attention": w.attention}
+        decode_s = self.decode_s
+        self.stats.update(prefill_s=self.prefill_s, prefill_tokens_per_s=self.prompt_tokens / max(self.prefill_s, 1e-9),
+                          decode_s=decode_s, decode_cpu_s=time.process_time() - self._cpu_start,
+                          decode_tokens=self.row_steps, loop_steps=self.steps, row_rounds=self.row_rounds,
+                          mean_batch_rows=self.row_rounds / max(self.steps, 1),
+                          decode_tokens_per_s=self.row_steps / decode_s if decode_s else 0.0)
