@@ -499,7 +499,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                             decode_cache=args.decode_cache, missing=args.missing_kv,
                                             speculative=args.speculative,
                                             recirculation=_recirculate_arg(args),
-                                            contrast=_contrast_spec(args)).items()
+                                            contrast=_contrast_spec(args), batching=args.batching).items()
                       if v is not None}
     if args.threads < 0:
         raise UserError(f"--threads {args.threads}: must be >= 0 (0 = torch's default)")
@@ -517,6 +517,17 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     result = bench_decode(runs=args.runs, threads=args.threads, new_tokens=args.new_tokens, quick=args.quick,
                           peers=not args.no_peers, device=args.device)
     _emit(result, args.json, "\n".join(decode_lines(result)))
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from .bench.serve import bench_serve, parse_batchings, parse_rates, serve_lines
+
+    result = bench_serve(args.run, batchings=parse_batchings(args.batching), rates=parse_rates(args.rate),
+                         requests=args.requests, new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+                         max_batch=args.max_batch, runs=args.runs, exit=args.exit, seed=args.seed,
+                         threads=args.threads, data=args.data, device=args.device)
+    _emit(result, args.json, "\n".join(serve_lines(result)))
     return 0
 
 
@@ -1105,6 +1116,11 @@ def build_parser() -> argparse.ArgumentParser:
     _recirculation_args(sv)
     sv.add_argument("--contrast", metavar="ROUND:BETA",
                     help="LoopCD-style decoding for every request (as generate --contrast; docs/inference.md)")
+    sv.add_argument("--batching", choices=("exit", "depth", "static"), default="exit",
+                    help="how decode steps group tokens: exit (a step runs every row until its deepest token exits), "
+                         "depth (continuous depth batching: one round per step for every token in flight, a row "
+                         "whose token exits takes its next one at once; one batch of --max-batch x --max-batches "
+                         "rows) or static (every token at full depth). docs/inference.md")
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
                          "(other rows step in between; 0 = a whole prompt at once)")
@@ -1129,6 +1145,29 @@ def build_parser() -> argparse.ArgumentParser:
     _device_arg(bd, default="cpu")
     bd.add_argument("--json", action="store_true")
     bd.set_defaults(func=cmd_bench_decode)
+    bs = bsub.add_parser("serve", help="the server's batchings (exit, static, depth) under Poisson load, side by side "
+                                       "with the FLOP bound of early exit")
+    bs.add_argument("run")
+    bs.add_argument("--batching", default="exit,static,depth",
+                    help="comma-separated batchings to compare (default exit,static,depth; static is the "
+                         "full-depth baseline the speed-ups are over)")
+    bs.add_argument("--rate", default="offline",
+                    help="comma-separated Poisson arrival rates in requests/s, or offline (every request at once; "
+                         "the default)")
+    bs.add_argument("--requests", type=int, default=64, help="requests in the trace (default 64)")
+    bs.add_argument("--new-tokens", type=int, default=32, help="tokens each request decodes (default 32)")
+    bs.add_argument("--prompt-tokens", type=int, default=32,
+                    help="longest prompt; each is cut from held-out text at a seeded length from half this up")
+    bs.add_argument("--max-batch", type=int, default=8, help="rows decoded together (default 8)")
+    bs.add_argument("--runs", type=int, default=3, help="timed runs per batching and rate (medians; default 3)")
+    bs.add_argument("--exit", help="exit policy (default: the recipe's)")
+    bs.add_argument("--seed", type=int, default=0, help="the trace's prompt lengths and arrivals")
+    bs.add_argument("--data", help="text to cut the prompts from (default: the run's held-out split)")
+    bs.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    _device_arg(bs, default="cpu")
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(func=cmd_bench_serve)
+
     bt = bsub.add_parser("train", help="training tokens/s, MFU and memory vs HF and x-transformers")
     bt.add_argument("--runs", type=int, default=5, help="timed runs per row (the median is reported)")
     bt.add_argument("--steps", type=int, default=3, help="optimizer steps per timed run")

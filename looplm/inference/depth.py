@@ -2,10 +2,10 @@
 slot freed by a token that exited is refilled at once, by the next token of its request or by a new
 request's first token.
 
-    batch = DepthBatch(engine, capacity=8)
-    row, events = batch.join("Hello", SamplingParams(max_new_tokens=32))   # prefilled now: its first token
+    batch = DepthBatch(engine, capacity=8)            # or engine.batch(prompts) with GenerationConfig(batching="depth")
+    row, _ = batch.join("Hello", SamplingParams(max_new_tokens=32))   # placed; prefilled by the next step
     while not batch.finished:
-        events = batch.step()                  # one loop step; events of the tokens that left the loop
+        events = batch.step()                  # one loop step: events of the tokens that left the loop
 
 Why. Under an early-exit policy the plain decode step (batch.py, `serve --batching exit`) runs every
 row's token from round 1 until the deepest has exited; a row that exits early idles in the meantime.
@@ -17,6 +17,8 @@ model whose steps are overhead), throughput grows toward (F0 + R Fr) / (F0 + d F
 with the rows (a compute-bound CPU) the plain exit batch already skips the exited rows' work.
 
 A step, in this order (one homogeneous pass each, the model's own pieces through the engine's kernels):
+0. prompts that joined: prefilled together, left-padded to end at one column (`prefill_chunk` columns per
+   step, or whole), through the engine's chunk; each one's first token sampled when its last column ran;
 1. entering tokens (a request's next token, sampled at the step before or at its prefill): the prelude at
    their columns, each row's own column and position (`RowColumns`, cache.py); they join the loop state;
 2. one round of the core for every token in flight, each at its own round and column;
@@ -25,8 +27,8 @@ A step, in this order (one homogeneous pass each, the model's own pieces through
    (`LoopKVCache.finish_rows`: copy-forward or mask depths under full, the kept entry under shared
    policies), sampling, events.
 
-Each request's arithmetic is what it is decoded alone: its prompt at columns 0..P-1 of its own row
-(prefilled in `join`, through the engine's chunk), each token's rounds reading the history its own
+Each request's arithmetic is what it is decoded alone: its prompt in its own row at positions 0..P-1
+(left padding is masked, as in every batch), each token's rounds reading the history its own
 row holds at that round (the visibility rule of the cache policy and `missing`), its initial-state noise
 from its own seed's table. Greedy tokens equal the same request's alone (tests/test_depth_batching.py).
 
@@ -38,6 +40,7 @@ sub-steps (a step mixes rounds of one tied block) -- each with its reason.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +52,20 @@ from .batch import DecodeBatch
 from .cache import RowColumns
 from .kernels import rope_rows
 from .loopstate import LoopState
-from .request import RequestState
+from .request import JoinProgress, RequestState
 from .sampler import Sampler, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
     from .engine import Engine
+
+
+@dataclass
+class _Group:
+    """Joining prompts prefilled together: their rows (n,), the prompts left-padded (n, P), columns done."""
+
+    rows: Tensor
+    idx: Tensor
+    done: int = 0
 
 
 class DepthBatch(DecodeBatch):
@@ -63,7 +75,8 @@ class DepthBatch(DecodeBatch):
     `cancel` frees a row mid-loop. `finished`: no request in it is running (a new `join` starts it again)."""
 
     def __init__(self, engine: "Engine", capacity: int, deltas: bool = True,
-                 prompts: tuple[list[list[int]], list[SamplingParams]] | None = None):
+                 prompts: tuple[list[list[int]], list[SamplingParams]] | None = None,
+                 prefill_chunk: int | None = None):
         from .capabilities import check_batching
         check_batching(engine, "depth")
         engine.kernels()
@@ -90,19 +103,28 @@ class DepthBatch(DecodeBatch):
         self.row_steps = 0                    # tokens that left the loop (decode tokens)
         self.decode_s = 0.0                   # wall time of the loop steps
         self._cpu_start = time.process_time()
-        self._waiting = list(zip(*prompts)) if prompts else []    # `Engine.batch`'s prompts: joined at the first step
-        if len(self._waiting) > capacity:
-            raise ValueError(f"capacity {capacity}: fewer rows than the {len(self._waiting)} prompts")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk {prefill_chunk}: must be >= 1 (or None: one chunk)")
+        if prompts and len(prompts[0]) > capacity:
+            raise ValueError(f"capacity {capacity}: fewer rows than the {len(prompts[0])} prompts")
+        # joining prompts are prefilled together, left-padded to end at one column (a group), `prefill_chunk`
+        # columns per step; one chunk reads the earlier columns exactly only under the full prefill cache, so with
+        # another prefill policy a group runs whole (as DecodeBatch)
+        self.join_chunk = prefill_chunk if prefill_chunk and engine.config.prefill_cache == "full" else None
+        self._pending: list[int] = []          # rows placed by `join`, not yet in a prefill group, in join order
+        self._group: _Group | None = None      # the prefill group in progress
         self.prefill_s, self.prompt_tokens, self._t0 = 0.0, 0, None
         self.stats: dict[str, Any] = {"batching": "depth", "capacity": capacity, "rounds": engine.rounds,
                                       "exit": str(engine.policy), "prefill_cache": engine.config.prefill_cache,
                                       "decode_cache": engine.config.decode_cache, "missing": engine.config.missing,
                                       "cache_bytes": self.cache.nbytes()}
         engine.last_stats = self.stats
+        for ids, sp in zip(*(prompts or ((), ()))):        # `Engine.batch`'s prompts: rows 0..n-1
+            self.join(ids, sp)
 
     @property
     def finished(self) -> bool:
-        return not self._waiting and all(r.done for r in self.requests)
+        return all(r.done for r in self.requests)
 
     @property
     def free_rows(self) -> int:
@@ -115,43 +137,96 @@ class DepthBatch(DecodeBatch):
 
     def join(self, prompt: str | Sequence[int], params: SamplingParams | None = None
              ) -> tuple[int, list[TokenEvent]] | None:
-        """Prefill a new request into a free row (columns from 0): (row, its first token's events), or None
-        when no row is free. Its next token enters the loop at the next step."""
+        """Place a new request in a free row: (row, []) -- its prompt is prefilled by the next steps, together
+        with the other prompts that joined before them (`_prefill_groups`), and its first token comes with the step
+        that runs its last prompt columns -- or None when no row is free. Its next token enters the loop at the
+        step after its first token."""
         e = self.engine
         (ids,), (sp,) = e.prepare([prompt], params)
         free = [b for b, r in enumerate(self.requests) if r.done]
         if not free:
             return None
         b = free[0]
-        t0 = time.perf_counter()
         if self._t0 is None:
-            self._t0 = t0
+            self._t0 = time.perf_counter()
         with torch.inference_mode():
-            self.cache.set_pad(b, 0)
             if self.noise is not None:
                 from ..model.looped import initial_noise_table
                 self.noise[b] = initial_noise_table(e.cfg, sp.seed).to(self.noise)
             self.sampler.set_row(b, sp, ids)
             self.requests[b] = req = RequestState.new(sp, e.tokenizer, self.deltas)
             req.mode = e.prompt_mode(sp)
-            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-            logits, used = self._run_prompt(idx, 0, torch.tensor([b], device=self.device))
-            self._sampled(logits, used, [b])
-            self.cols[b] = len(ids)
-            self.prefill_s += time.perf_counter() - t0
-            self.prompt_tokens += len(ids)
+            req.joining = JoinProgress(torch.tensor([ids], dtype=torch.long, device=self.device), 0, 0, [])
+        self._pending.append(b)
+        return b, []
+
+    def _prefill_groups(self) -> list[TokenEvent]:
+        """This step's prompt columns: groups of the joining prompts, each left-padded to end at one column
+        (its rows' pads set so: their positions start at 0), `prefill_chunk` columns per step or every group
+        whole; the rows whose prompt is complete are sampled and their events returned."""
+        budget = self.join_chunk or None
+        events: list[TokenEvent] = []
+        t0 = time.perf_counter()
+        while budget is None or budget > 0:
+            if self._group is None:
+                if not self._pending:
+                    break
+                self._group = self._form_group()
+            g = self._group
+            z = g.idx.shape[1] if budget is None else min(g.idx.shape[1], g.done + budget)
+            logits, used = self._run_prompt(g.idx[:, g.done:z], g.done, g.rows)
+            if budget is not None:
+                budget -= z - g.done
+            g.done = z
+            if z < g.idx.shape[1]:
+                continue
+            self._group = None
+            rows = g.rows.tolist()
+            live = [j for j, b in enumerate(rows) if self.requests[b].joining is not None]   # not cancelled meanwhile
+            if not live:
+                continue
+            if len(live) < len(rows):
+                logits = logits[live]
+                used = used if isinstance(used, int) else used[live]
+            rows = [rows[j] for j in live]
+            for b in rows:
+                self.requests[b].joining = None
+                self.cols[b] = g.idx.shape[1]
+                self.prompt_tokens += g.idx.shape[1] - int(self.cache.pad[b])
+            self._sampled(logits, used, rows)
             self.stats.setdefault("ttft_s", time.perf_counter() - self._t0)
-            events = self._emit([b])
-            if not req.done:
-                self.entering.append(b)
-        return b, events
+            events += self._emit(rows)
+            self.entering += [b for b in rows if not self.requests[b].done]
+        self.prefill_s += time.perf_counter() - t0
+        return events
+
+    def _form_group(self) -> "_Group":
+        """The next prefill group: pending prompts in join order while the longest and the most new tokens fit the
+        context together (each alone fits: `Engine.prepare`), left-padded; their rows' pads set."""
+        from .batch import left_padded
+        from .sampler import positions_run
+        take: list[int] = []
+        for b in self._pending:
+            cand = take + [b]
+            longest = max(self.requests[c].joining.prompt.shape[1] for c in cand)
+            most = max(self.requests[c].params.max_new_tokens for c in cand)
+            if take and positions_run(longest, most) > self.cache.length:
+                break
+            take = cand
+        self._pending = self._pending[len(take):]
+        idx, pad = left_padded([self.requests[b].joining.prompt[0].tolist() for b in take], self.device)
+        for b, p in zip(take, pad.tolist()):
+            self.cache.set_pad(b, p)
+        return _Group(rows=torch.tensor(take, device=self.device), idx=idx)
 
     def cancel(self, row: int) -> None:
         """Stop a row (its client went away), mid-loop or between tokens: its place is free for `join`."""
         req = self.requests[row]
         if req.done:
             return
-        req.done, req.prompt_lp, req.prompt_carry = True, None, None
+        req.done, req.joining, req.prompt_lp, req.prompt_carry = True, None, None, None
+        if row in self._pending:
+            self._pending.remove(row)
         if row in self.entering:
             self.entering.remove(row)
         if self.loop is not None:
@@ -168,16 +243,14 @@ class DepthBatch(DecodeBatch):
 
     def step(self) -> list[TokenEvent]:
         """One loop step (see the module docstring): the events of the tokens that left the loop."""
-        if self._waiting:                  # the prompts it was opened with: every one's first token
-            waiting, self._waiting = self._waiting, []
-            return [ev for ids, sp in waiting for ev in self.join(ids, sp)[1]]
         with torch.inference_mode():
+            events = self._prefill_groups() if self._pending or self._group is not None else []
             t0 = time.perf_counter()
             if self.entering:
                 self._enter()
             if self.loop is None or len(self.loop) == 0:
-                return []
-            events = self._round()
+                return events
+            events += self._round()
             self.decode_s += time.perf_counter() - t0
             return events
 
@@ -192,8 +265,9 @@ class DepthBatch(DecodeBatch):
         r, c = torch.tensor(rows, device=dev), torch.tensor([self.cols[b] for b in rows], device=dev)
         self.cache.start_rows(r, c)
         self.ctl.reset(r)
-        s0 = None if self.noise is None else self.noise[r, c].unsqueeze(1)                       # (M, 1, d)
-        rope, x, s = e.model.loop_inputs(toks.view(-1, 1), 0, c.view(-1, 1), RowColumns(self.cache, r, c), k,
+        pos = c - self.cache.pad[r]                                        # (M,) positions: column - left pad
+        s0 = None if self.noise is None else self.noise[r, pos].unsqueeze(1)                    # (M, 1, d)
+        rope, x, s = e.model.loop_inputs(toks.view(-1, 1), 0, pos.view(-1, 1), RowColumns(self.cache, r, c), k,
                                          initial_state=s0)
         new = LoopState(r, c, torch.ones_like(r), s, x, rope)
         self.loop = new if self.loop is None else self.loop.merge(new)
@@ -256,7 +330,9 @@ class DepthBatch(DecodeBatch):
         return events
 
     def _maybe_finish(self) -> None:
-        """The batch's running figures (it lives as long as its server: they are current at any time)."""
+        """The batch's figures, whenever no request is running (a server's batch lives on: they cover its life)."""
+        if not self.finished:
+            return
         w = self.work
         self.stats["flops"] = {"prefill": 0.0, "decode": 0.0, **w.by_phase, "attention": w.attention}
         decode_s = self.decode_s

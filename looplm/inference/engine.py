@@ -259,7 +259,7 @@ class Engine:
                 raise UserError("--speculative decodes one prompt at a time (batch 1)")
             return SpeculativeRun(self, ids, plist, deltas)
         if self.config.batching == "depth":
-            return DepthBatch(self, capacity or len(ids), deltas, prompts=(ids, plist))
+            return DepthBatch(self, capacity or len(ids), deltas, prompts=(ids, plist), prefill_chunk=prefill_chunk)
         return DecodeBatch(self, ids, plist, deltas, length, capacity, prefill_chunk)
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,

@@ -121,6 +121,9 @@ class PackedOps(Ops):
         self._versions = [p._version for p in self._params]
         self.threads = torch.get_num_threads()
         self.table: dict[tuple[int, ...], _W] = {}
+        # one-column rounds run through these kernels and the rows they held (decode steps: `looplm bench serve`'s
+        # mean recurrent batch is rows / rounds, counted where the rounds run)
+        self.column_rounds, self.column_round_rows = 0, 0
         with torch.no_grad():
             for group in self.weight_groups(model):
                 w = torch.cat([g.detach() for g in group]) if len(group) > 1 else group[0].detach()
@@ -155,12 +158,19 @@ class PackedOps(Ops):
     def rope(self, start: int, T: int, positions: Tensor | None) -> tuple[Tensor, Tensor]:
         return self.m.rope(start, T, positions)
 
-    def core_step(self, s: Tensor, e: Tensor, r: int, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
+    def core_step(self, s: Tensor, e: Tensor, r: int | Tensor, rope: tuple[Tensor, Tensor], cache: Any) -> Tensor:
+        self._count(s)
         return self.m.core_step(s, e, r, rope, cache, self)
 
     def routed_step(self, s: Tensor, e: Tensor, r: int, rope: tuple[Tensor, Tensor], cache: Any,
                     weight: Tensor) -> Tensor:
+        self._count(s)
         return self.m.routed_step(s, e, r, rope, cache, weight, self)
+
+    def _count(self, s: Tensor) -> None:
+        if s.shape[1] == 1:
+            self.column_rounds += 1
+            self.column_round_rows += s.shape[0]
 
     def readout(self, s: Tensor, rope: tuple[Tensor, Tensor], cache: Any, r: int, all_positions: bool,
                 tops: dict[int, Tensor] | None = None, head: bool = True) -> Tensor | None:

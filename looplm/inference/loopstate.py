@@ -4,7 +4,7 @@ after any round and go on at the next scheduler tick beside other rows' tokens.
 One entry per token being looped (continuous depth batching, inference/depth.py):
 
     rows    (M,)          its cache row (the request's slot)
-    cols    (M,)          its cache column (= its RoPE position: depth batches place prompts at column 0)
+    cols    (M,)          its cache column (its RoPE position is the column less its row's left pad)
     rounds  (M,)          the round it runs next, 1-based
     s       (M, 1, d)     its loop state after the rounds it ran
     e       (M, 1, d)     its prelude output (what every round injects)

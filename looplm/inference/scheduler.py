@@ -62,15 +62,19 @@ class Scheduler:
     def tick(self) -> None:
         """Place waiting prompts (a free row of a running batch, else a new batch, else they
         wait), then advance every running batch by one decode step."""
-        max_batch = 1 if self.engine.speculative else self.limits.max_batch
+        depth = self.engine.config.batching == "depth"
+        # continuous depth batching: one batch of every row the server holds (max_batch x max_batches), each row at
+        # its own columns from 0, so any waiting prompt fits any free row
+        max_batch = 1 if self.engine.speculative else self.limits.max_batch * (self.limits.max_batches if depth else 1)
+        max_batches = 1 if depth else self.limits.max_batches
         while self.waiting:
             if self.waiting[0].cancelled:
                 self.waiting.popleft()
             elif any(b.join(self.waiting[0]) for b in self.running):
                 self.waiting.popleft()
-            elif len(self.running) < self.limits.max_batches:
+            elif len(self.running) < max_batches:
                 group = [self.waiting.popleft()]
-                while len(group) < max_batch and self.waiting and self._fits(group + [self.waiting[0]]):
+                while len(group) < max_batch and self.waiting and (depth or self._fits(group + [self.waiting[0]])):
                     group.append(self.waiting.popleft())
                 self.running.append(Batch(group, self.engine, max_batch, self.limits.prefill_chunk))
             else:
