@@ -154,6 +154,8 @@ RULES: tuple[Rule, ...] = (
     # full-bandwidth feedback carries the final round's top state
     Rule("feedback", "early_exit", _FB_FIXED),
     Rule("feedback", "exit_in_prefill", _FB_FIXED),
+    Rule("feedback", "mor", "full-bandwidth feedback decodes at a fixed depth for now (the top state it carries is the "
+                            "last round's); a Mixture-of-Recursions router decides each token's depth"),
     Rule("feedback", "speculative", "--speculative: not available for a feedback model yet (its carried state would "
                                     "have to roll back with the cache)"),
     Rule("feedback", "speculative_exit", "--speculative: not available for a feedback model yet (its carried state "
@@ -195,6 +197,8 @@ RULES: tuple[Rule, ...] = (
     Rule("static_batching", "early_exit", lambda d: f"--batching static runs every token at full depth (the baseline "
          f"depth batching is measured against); it cannot apply the exit policy {_exit(d)}: drop --exit, or pass "
          "--batching exit|depth"),
+    Rule("static_batching", "mor", "--batching static runs every token at full depth: a Mixture-of-Recursions "
+                                   "router decides each token's depth"),
     Rule("static_batching", "exit_in_prefill", "--batching static runs every token at full depth: exit_in_prefill "
                                                "does not apply"),
     Rule("static_batching", "speculative_exit", "--batching static runs every token at full depth: exit drafts do not "

@@ -79,6 +79,10 @@ class DepthBatch(DecodeBatch):
                  prefill_chunk: int | None = None):
         from .capabilities import check_batching
         check_batching(engine, "depth")
+        c = engine.config     # what a step cannot run, whatever the table says (the table's test meets these)
+        if c.contrast or c.recirculation or c.speculative or engine.feedback or engine.policy.kind == "routed" \
+                or engine.cfg.untied:
+            raise ValueError("a depth batch runs one tied round per step with plain readouts (capabilities.py)")
         engine.kernels()
         if capacity < 1:
             raise ValueError(f"capacity {capacity}: must be >= 1")

@@ -435,7 +435,8 @@ class Engine:
             return self.chunk(idx, start, cache, phase=phase, rounds=rounds, noise=noise, all_logits=all_logits,
                               commit=commit, rows=rows, trace=trace, may_exit=may_exit, work=work,
                               work_phase=work_phase, feedback=feedback, tops=tops)
-        if rounds is not None or not commit or trace is not None or may_exit is not None or feedback or tops is not None:
+        if rounds is not None or not commit or trace is not None or may_exit is not None or feedback or tops is not None \
+                or self.adaptive:
             raise ValueError("recirculation runs full-depth committed chunks (capabilities.py refuses the rest)")
         return recirculated_chunk(self, rc, idx, start, cache, phase=phase, noise=noise, all_logits=all_logits,
                                   rows=rows, work=work, work_phase=work_phase)
