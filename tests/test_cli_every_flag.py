@@ -44,6 +44,8 @@ BASE: dict[str, list[str]] = {
     "serve": [RUN],
     "bench decode": ["--quick", "--no-peers", "--runs", "1", "--new-tokens", "2"],
     "bench train": ["--quick", "--no-peers", "--runs", "1", "--steps", "1"],
+    "bench serve": [RUN, "--requests", "2", "--new-tokens", "2", "--runs", "1", "--prompt-tokens", "4",
+                    "--max-batch", "2"],
     "check": [RUN],
     "lens": [RUN, "--rounds", "2"],
     "recirculate": [RUN, "--tokens", "32", "--window", "16"],
@@ -122,7 +124,7 @@ INVALID = {"--out": [AFILE], "--hf": [AFILE]}
 
 # Leaves whose every run costs seconds: their options' valid values are tried together in one run (each
 # option still gets its own runs with refused values, which end before any work).
-COMBINED = {"train", "check", "bench decode", "bench train", "experiment extrapolate", "experiment deeploop",
+COMBINED = {"train", "check", "bench decode", "bench train", "bench serve", "experiment extrapolate", "experiment deeploop",
             "experiment loopmoe", "experiment depth", "experiment looping", "experiment retrofit"}
 # ... except options that pick another mode of the command: each of these gets its own valid run
 MODES = {("train", "--resume"), ("train", "--stage2"), ("train", "--init"),

@@ -23,7 +23,8 @@ Per (rate, batching), medians over the runs of:
 - speedup: tokens_per_s over static's at the same rate (when static ran), and bound_share = speedup /
   flop_bound_speedup;
 - tokens_per_round: decoded tokens per one-column round run; over static's, `memory_bound_speedup`: the
-  speed-up where a round costs the same whatever its rows (a memory-bound device), from counts, not time.
+  speed-up where a round costs the same whatever its rows (a memory-bound device), from counts, not time;
+- tokens_match_exit (depth): every request's tokens equal exit batching's, in every run.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_t
     first = [math.nan] * n
     last = [math.nan] * n
     tokens = [0] * n
+    out: list[list[int]] = [[] for _ in range(n)]
     used: list[int] = []
     failed: list[BaseException] = []
     sp = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
@@ -136,6 +138,7 @@ def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_t
             else:
                 used.append(ev.rounds)          # decoded tokens' rounds (the first token is the prompt's)
             tokens[i] += 1
+            out[i].append(ev.token)
             last[i] = now
         return send
 
@@ -161,7 +164,7 @@ def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_t
             "p50_latency_s": _quantile(lat, 0.5), "p99_latency_s": _quantile(lat, 0.99),
             "ttft_p50_s": _quantile(ttft, 0.5), "mean_batch_rows": rows / max(rounds, 1),
             "mean_rounds": statistics.fmean(used) if used else float(engine.rounds),
-            "tokens_per_round": decoded / max(rounds, 1), "makespan_s": span}
+            "tokens_per_round": decoded / max(rounds, 1), "makespan_s": span, "tokens": out}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -193,16 +196,16 @@ def bench_serve(run_dir: str, *, batchings: list[str] | None = None, rates: list
         torch.set_num_threads(threads)
     run = load_run(run_dir, device=device)
     options = {} if exit is None else {"exit": exit}
+    R = Engine.from_run(run, **options).rounds                     # the largest depth of the exit policy
     engines = {}
-    for b in batchings:
-        eng = Engine.from_run(run, batching=b, **options)
+    for b in batchings:                 # static: every token at that depth (the policy does not apply to it)
+        eng = Engine.from_run(run, batching=b, **(options if b != "static" else {"exit": "fixed", "rounds": R}))
         check_batching(eng, b)
         engines[b] = eng
     prompts = trace(run, requests, prompt_tokens, seed, data)
     ctx = run.recipe.model.context
     if max(map(len, prompts)) + new_tokens - 1 > ctx:
         raise UserError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}: exceed the context of {ctx}")
-    R = engines[batchings[0]].rounds
     column = int(statistics.fmean(map(len, prompts)) + new_tokens / 2)
     with torch.inference_mode():
         for b in batchings:                    # warm-up: oneDNN primitives, allocator
@@ -220,6 +223,11 @@ def bench_serve(run_dir: str, *, batchings: list[str] | None = None, rates: list
             rows[b] = {"batching": b, "rate": "offline" if math.isinf(rate) else rate, **med,
                        "flop_bound_speedup": flop_bound(run.model.cfg, R, med["mean_rounds"], column),
                        "runs": runs}
+        if "exit" in rows:          # the same greedy tokens as exit batching, request by request (every run)
+            for b in batchings:
+                if b != "static":
+                    rows[b]["tokens_match_exit"] = all(t["tokens"] == e["tokens"]
+                                                       for t, e in zip(trials[b], trials["exit"]))
         if "static" in rows:
             base = rows["static"]
             for row in rows.values():
@@ -227,7 +235,7 @@ def bench_serve(run_dir: str, *, batchings: list[str] | None = None, rates: list
                 row["bound_share"] = row["speedup"] / row["flop_bound_speedup"]
                 row["memory_bound_speedup"] = row["tokens_per_round"] / base["tokens_per_round"]
         results += list(rows.values())
-    return {"run": str(run_dir), "rounds": R, "exit": str(engines[batchings[-1]].policy), "requests": requests,
+    return {"run": str(run_dir), "rounds": R, "exit": str(Engine.from_run(run, **options).policy), "requests": requests,
             "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "max_batch": max_batch, "runs": runs,
             "threads": torch.get_num_threads(), "machine": platform.machine(), "results": results}
 
