@@ -122,9 +122,9 @@ def test_each_pair_decodes_or_is_refused_as_the_table_says(a, b):
 
 def test_a_refused_pair_is_refused_before_any_work(monkeypatch):
     """The refusal comes from the table at construction: no kernel is built, no cache allocated."""
-    from looplm.inference import engine as engine_mod
+    from looplm.inference import runner as runner_mod
     built = []
-    monkeypatch.setattr(engine_mod, "PackedOps", lambda m: built.append(m))
+    monkeypatch.setattr(runner_mod, "PackedOps", lambda m: built.append(m))
     model = looplm.build_model(looplm.load_recipe("quickstart", BASE)).eval()
     with pytest.raises(UserError, match="--batching depth: not available with --contrast"):
         Engine(model, TOK, GenerationConfig(batching="depth", contrast=(1, 0.5)))

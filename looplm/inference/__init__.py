@@ -1,7 +1,12 @@
 """Inference: the cached engine and what it is built from.
 
-engine.py       `Engine`: prefill, decode, per-token exits, streaming; its public chunk API
+engine.py       `Engine`: the public facade (from_run, generate, stream, batch, prompt_logprobs)
+runner.py       `Runner`: what a decode is set up with, and its chunks (fixed depth, per-token exits)
+capabilities.py which decode features combine: one table the engine, CLI and server consult
 batch.py        continuous batching (rows join and leave a running batch)
+depth.py        continuous depth batching (every step one round of every token in flight, rows refilled)
+loopstate.py    the tokens in flight inside the loop, kept between steps
+contrast.py     LoopCD-style contrastive logits
 speculative.py  self-speculative decoding (shallow drafts verified at full depth)
 cache.py        the per-round KV cache, its reuse policies and the visibility rule for exited tokens
 kernels.py      the CPU backend of the model's blocks (pre-laid-out weights)

@@ -7,7 +7,7 @@ prompts that join a running batch (continuous batching), rows that finish or are
     while not batch.finished:
         events += batch.step()               # one token per running row
 
-`Engine` (inference/engine.py) runs the chunks through the model and owns the cache layout; this
+The runner (inference/runner.py) runs the chunks through the model and owns the cache layout; this
 module decides which rows and columns each step runs, and turns sampled tokens into events.
 """
 
@@ -25,7 +25,7 @@ from .request import JoinProgress, RequestState
 from .sampler import Sampler, SamplingParams, TokenEvent, positions_run, token_logprobs
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .runner import Runner
 
 
 def left_padded(ids: Sequence[Sequence[int]], device: Any, rows: int | None = None) -> tuple[Tensor, Tensor]:
@@ -69,7 +69,7 @@ class DecodeBatch:
     first to its last runs at least one of its columns) and a later part overwrites it.
     """
 
-    def __init__(self, engine: Engine, ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
+    def __init__(self, engine: "Runner", ids: list[list[int]], plist: list[SamplingParams], deltas: bool,
                  length: int | None = None, capacity: int | None = None, prefill_chunk: int | None = None):
         engine.kernels()
         self.engine, self.deltas = engine, deltas

@@ -56,7 +56,7 @@ from .request import JoinProgress, RequestState
 from .sampler import Sampler, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .runner import Runner
 
 
 @dataclass
@@ -74,7 +74,7 @@ class DepthBatch(DecodeBatch):
     with `join` (prefilled at once, columns from 0 in their own row), `step()` runs one loop step, and
     `cancel` frees a row mid-loop. `finished`: no request in it is running (a new `join` starts it again)."""
 
-    def __init__(self, engine: "Engine", capacity: int, deltas: bool = True,
+    def __init__(self, engine: "Runner", capacity: int, deltas: bool = True,
                  prompts: tuple[list[list[int]], list[SamplingParams]] | None = None,
                  prefill_chunk: int | None = None):
         from .capabilities import check_batching
@@ -206,7 +206,7 @@ class DepthBatch(DecodeBatch):
 
     def _form_group(self) -> "_Group":
         """The next prefill group: pending prompts in join order while the longest and the most new tokens fit the
-        context together (each alone fits: `Engine.prepare`), left-padded; their rows' pads set."""
+        context together (each alone fits: `Runner.prepare`), left-padded; their rows' pads set."""
         from .batch import left_padded
         from .sampler import positions_run
         take: list[int] = []

@@ -15,7 +15,7 @@ For each position t, in this order (the serial schedule, exact):
 Only t's own states are mixed into t (the withdrawn public result leaked t's deep state into t + 1).
 alpha = 0 with beta = 1 skips step 3: the base model exactly. Each position costs two passes, the
 prompt's too — exact refinement is serial in positions; batched requests are serial each, together
-(`Engine.run_chunk` with many rows), which is the faster exact schedule. "blockwise" runs a whole
+(`Runner.run_chunk` with many rows), which is the faster exact schedule. "blockwise" runs a whole
 chunk (a prompt) through both passes at once: position t's pass 1 then reads unrefined history of
 the chunk, so it is an approximation, named as one (its loss gap is measured, evaluation/recirculation.py).
 
@@ -37,7 +37,7 @@ from ..model.visits import visit_index, visit_plan
 
 if TYPE_CHECKING:
     from .cache import LoopKVCache
-    from .engine import ChunkResult, Engine
+    from .runner import ChunkResult, Runner
 
 
 @dataclass(frozen=True)
@@ -173,12 +173,12 @@ def schedule(run_pass: Callable[..., Tensor], rc: Recirculation, cfg: Any, round
     return out
 
 
-def recirculated_chunk(engine: "Engine", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
+def recirculated_chunk(engine: "Runner", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
                        phase: str, noise: Tensor | None, all_logits: bool, rows: Tensor | None,
                        work: Any, work_phase: str | None) -> "ChunkResult":
-    """`Engine.run_chunk` under recirculation: `schedule` over the engine's chunks (resume and serial: column
+    """`Runner.run_chunk` under recirculation: `schedule` over the engine's chunks (resume and serial: column
     by column; blockwise: whole); the logits are the ordinary passes'."""
-    from .engine import ChunkResult
+    from .runner import ChunkResult
     k, R = engine.kernels(), engine.rounds
 
     def run_pass(x: Tensor, col: int, tap: Any, skipped: int = 0) -> Tensor:

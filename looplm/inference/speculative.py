@@ -34,7 +34,7 @@ from .request import RequestState
 from .sampler import Sampler, SamplingParams, TokenEvent, token_logprobs
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .runner import Runner
 
 
 def parse_speculative(text: str, rounds: int) -> tuple[int | None, int]:
@@ -54,7 +54,7 @@ def parse_speculative(text: str, rounds: int) -> tuple[int | None, int]:
 class SpeculativeRun:
     """Self-speculative decoding behind DecodeBatch's interface (step, finished); it takes no new rows."""
 
-    def __init__(self, engine: "Engine", ids: list[list[int]], plist: list[SamplingParams], deltas: bool):
+    def __init__(self, engine: "Runner", ids: list[list[int]], plist: list[SamplingParams], deltas: bool):
         self.steps, self.finished = speculative_events(engine, ids, plist, deltas), False
 
     def step(self) -> list[TokenEvent]:
@@ -78,7 +78,7 @@ class SpeculativeRun:
         return None             # one row: nothing to move
 
 
-def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[SamplingParams],
+def speculative_events(engine: "Runner", ids: list[list[int]], plist: list[SamplingParams],
                        deltas: bool) -> Iterator[list[TokenEvent]]:
     """One list of TokenEvents per verification (the accepted drafts and the verifier's token)."""
     assert engine.speculative is not None
@@ -178,7 +178,7 @@ def speculative_events(engine: "Engine", ids: list[list[int]], plist: list[Sampl
                  decode_tokens_per_s=n_dec / decode_s if n_dec else 0.0)
 
 
-def verify_from_drafts(engine: "Engine", cache: LoopKVCache, col: int, drafts: list[int],
+def verify_from_drafts(engine: "Runner", cache: LoopKVCache, col: int, drafts: list[int],
                        trace: list[tuple[Tensor, Tensor]], d: int, noise: Tensor | None) -> Tensor:
     """Full-depth logits (1, K+1, V) of pending + K drafts at columns col..col+K, reusing what
     the drafts computed: draft j ran the token at column col+j through the prelude and rounds
