@@ -150,11 +150,14 @@ class ExitController:
             decide.discard(1)                                    # nothing to compare with at round 1
         self.decide_rounds = frozenset(decide)
         """Rounds before R after which the policy may stop a token."""
+        self._open = torch.tensor([x in decide for x in range(rounds + 1)], device=device)    # (R+1,) lookup
         reads: set[int] = set()
         if policy.kind in ("entropy", "kl"):
             reads = decide | {rounds} | ({r - 1 for r in decide} if policy.kind == "kl" else set())
         self.read_rounds = frozenset(reads)
         """Rounds after which active tokens need a readout for the decision (entropy/kl; always R)."""
+        self.reads = torch.tensor([x in reads for x in range(rounds + 1)], device=device)
+        """(R+1,) bool: `read_rounds` as a lookup by round (tokens at different rounds at once)."""
         self.needs_hazard = policy.kind == "quantile"
         """Whether `decide` needs the gate's hazard of every active token each round."""
         self.survival = torch.ones(n, device=device) if self.needs_hazard else None   # (N,) S_r
@@ -184,18 +187,27 @@ class ExitController:
         """Whether the tokens that run round r must be read out (coda + head) for the decision."""
         return r in self.read_rounds
 
-    def decide(self, r: int, ids: torch.Tensor | None = None, *, hazard: torch.Tensor | None = None,
-               logits: torch.Tensor | None = None, route_stop: torch.Tensor | None = None) -> torch.Tensor:
+    def decide(self, r: int | torch.Tensor, ids: torch.Tensor | None = None, *, hazard: torch.Tensor | None = None,
+               logits: torch.Tensor | None = None, route_stop: torch.Tensor | None = None,
+               read: torch.Tensor | None = None) -> torch.Tensor:
         """After round r (1-based) of the tokens `ids` (M,) (None: every token, in order), with
         their hazards (M,) (quantile, every round) and readouts (M, V) (entropy/kl at
         `read_rounds`), or for the routed policy the router's stop decision (M,) (expert choice;
-        without it the depths of `set_depth`): which stop now, (M,) bool. Stopped tokens leave `active`."""
-        if not (isinstance(r, int) and 1 <= r <= self.rounds):
-            raise ValueError(f"ExitController.decide: need an integer 1 <= r <= {self.rounds}, got {r!r}")
+        without it the depths of `set_depth`): which stop now, (M,) bool. Stopped tokens leave `active`.
+        r may be (M,), each token's own round (continuous depth batching: tokens at different rounds decided
+        in one call, by the same rules); `read` (M,) bool then says which rows of `logits` are readouts (the
+        tokens at a read round; default all)."""
         policy, R = self.policy, self.rounds
         if ids is None:
             ids = torch.arange(self.n, device=self.active.device)
         M = ids.shape[0]
+        per_row = isinstance(r, torch.Tensor)
+        if per_row:
+            r = r.reshape(M).to(device=ids.device, dtype=torch.long)
+            if M and not (1 <= int(r.min()) and int(r.max()) <= R):
+                raise ValueError(f"ExitController.decide: rounds must lie in 1..{R}, got {r.tolist()}")
+        elif not (isinstance(r, int) and 1 <= r <= R):
+            raise ValueError(f"ExitController.decide: need an integer 1 <= r <= {self.rounds}, got {r!r}")
         if self.needs_hazard:
             if hazard is None:
                 raise ValueError("ExitController.decide: quantile needs this round's hazards")
@@ -204,36 +216,50 @@ class ExitController:
         if logits is not None:
             if self.logits is None:
                 self.logits = logits.new_zeros(self.n, logits.shape[-1])
-            elif policy.kind == "kl" and bool((self._read_at[ids] == r - 1).all()):
-                prev = self.logits[ids]                                               # (M, V) round r-1's
-            self.logits[ids] = logits
-            self._read_at[ids] = r
-        if r >= R:
+            elif policy.kind == "kl":                           # round r-1's readout, where it was read then
+                prev = (self.logits[ids], self._read_at[ids] == r - 1)
+            got = slice(None) if read is None else read.reshape(M)
+            self.logits[ids[got]] = logits[got]
+            self._read_at[ids[got]] = r[got] if per_row else r
+        if per_row:
+            open_ = self._open[r]                               # (M,) r is a decide round
+            stop = self._policy_stop(r, ids, logits, prev, route_stop) & open_ if bool(open_.any()) else open_
+            if self.may_exit is not None:
+                stop = stop & self.may_exit[ids]
+            stop = stop | (r >= R)
+        elif r >= R:
             stop = torch.ones(M, dtype=torch.bool, device=ids.device)
         elif r not in self.decide_rounds:
             stop = torch.zeros(M, dtype=torch.bool, device=ids.device)
         else:
-            if policy.kind == "fixed":
-                stop = torch.full((M,), r >= policy.value, dtype=torch.bool, device=ids.device)
-            elif policy.kind == "routed":   # an expert-choice router's decision, or the token-choice depth
-                stop = route_stop.reshape(M) if route_stop is not None else self.depth[ids] <= r
-            elif policy.kind == "quantile":
-                # not exit_cdf: round r is not the last allowed round here, so no forced mass
-                stop = (1.0 - self.survival[ids]) >= policy.value
-            elif logits is None:
-                raise ValueError(f"ExitController.decide: {policy.kind} needs round {r}'s readout")
-            elif policy.kind == "entropy":
-                stop = token_entropy(logits) < policy.value
-            else:
-                stop = successive_kl(logits, prev) < policy.value if prev is not None else \
-                    torch.zeros(M, dtype=torch.bool, device=ids.device)
-            stop = stop.reshape(M)
+            stop = self._policy_stop(r, ids, logits, prev, route_stop)
             if self.may_exit is not None:
                 stop = stop & self.may_exit[ids]
         done = ids[stop]
         self.active[done] = False
-        self.exit_round[done] = r
+        self.exit_round[done] = r[stop] if per_row else r
         return stop
+
+    def _policy_stop(self, r: int | torch.Tensor, ids: torch.Tensor, logits: torch.Tensor | None,
+                     prev: tuple[torch.Tensor, torch.Tensor] | None, route_stop: torch.Tensor | None) -> torch.Tensor:
+        """The policy's own rule for tokens ids (M,) after round(s) r, at rounds it may decide: (M,) bool."""
+        policy, M = self.policy, ids.shape[0]
+        if policy.kind == "fixed":
+            return (r >= policy.value) if isinstance(r, torch.Tensor) else \
+                torch.full((M,), r >= policy.value, dtype=torch.bool, device=ids.device)
+        if policy.kind == "routed":   # an expert-choice router's decision, or the token-choice depth
+            return route_stop.reshape(M) if route_stop is not None else self.depth[ids] <= r
+        if policy.kind == "quantile":
+            # not exit_cdf: round r is not the last allowed round here, so no forced mass
+            return (1.0 - self.survival[ids]) >= policy.value
+        if logits is None:
+            raise ValueError(f"ExitController.decide: {policy.kind} needs round {r}'s readout")
+        if policy.kind == "entropy":
+            return (token_entropy(logits) < policy.value).reshape(M)
+        if prev is None:
+            return torch.zeros(M, dtype=torch.bool, device=ids.device)
+        before, ok = prev                                       # kl: against round r-1's readout, where read
+        return (successive_kl(logits, before) < policy.value).reshape(M) & ok
 
 
 def first_exit_round(

@@ -286,37 +286,28 @@ class DepthBatch(DecodeBatch):
         L = L.advanced(s)
         self.steps += 1
         self.row_rounds += len(L)
-        ran_l = ran.tolist()
         hazard = m.hazard(s)[:, -1] if ctl.needs_hazard else None          # (M,)
-        read = [j for j, r in enumerate(ran_l) if ctl.needs_readout(r)]
-        logits_read: dict[int, Tensor] = {}
-        if read:                   # entropy/kl: the tokens at a read round are read out (coda, head)
-            sel = torch.tensor(read, device=self.device)
-            lg = k.readout(s[sel], rope_rows(L.rope, sel), RowColumns(self.cache, L.rows[sel], L.cols[sel]),
-                           max(ran_l), False)                              # (M', V)
-            logits_read = {j: lg[i] for i, j in enumerate(read)}
-        stop = torch.zeros(len(L), dtype=torch.bool, device=self.device)
-        for r in sorted(set(ran_l)):                                       # the controller decides per round
-            g = [j for j, x in enumerate(ran_l) if x == r]
-            gi = torch.tensor(g, device=self.device)
-            lg = torch.stack([logits_read[j] for j in g]) if g[0] in logits_read else None
-            stop[gi] = ctl.decide(r, L.rows[gi], hazard=None if hazard is None else hazard[gi], logits=lg)
-        if bool(stop.any()):
-            events = self._leave(L, s, stop, ran, logits_read)
-        else:
-            events = []
+        logits = read = None
+        if ctl.read_rounds:        # entropy/kl: the tokens at a read round are read out (coda, head)
+            read = ctl.reads[ran]                                          # (M,) bool
+            if bool(read.any()):
+                sel = read.nonzero().squeeze(1)
+                lg = k.readout(s[sel], rope_rows(L.rope, sel), RowColumns(self.cache, L.rows[sel], L.cols[sel]),
+                               0, False)                                   # (M', V)
+                logits = lg.new_zeros(len(L), lg.shape[-1]).index_copy_(0, sel, lg)
+        stop = ctl.decide(ran, L.rows, hazard=hazard, logits=logits, read=read)    # each token at its own round
+        events = self._leave(L, s, stop, ran) if bool(stop.any()) else []
         self.loop = L.keep(~stop)
         return events
 
-    def _leave(self, L: LoopState, s: Tensor, stop: Tensor, ran: Tensor,
-               logits_read: dict[int, Tensor]) -> list[TokenEvent]:
+    def _leave(self, L: LoopState, s: Tensor, stop: Tensor, ran: Tensor) -> list[TokenEvent]:
         """Tokens that stopped: their exit-round readout, their cache entries closed, the next token sampled."""
         e, ctl = self.engine, self.ctl
         k = e._fast or e.kernels()
         idx = stop.nonzero().squeeze(1)
         rows, cols, used = L.rows[idx].tolist(), L.cols[idx].tolist(), ran[idx].tolist()
         if ctl.read_rounds:                 # every exit round is a read round: the decision's readout
-            logits = torch.stack([logits_read[j] for j in idx.tolist()])
+            logits = ctl.logits[L.rows[idx]]
         else:                               # fixed, quantile: read out now, once
             logits = k.readout(s[idx], rope_rows(L.rope, idx), RowColumns(self.cache, L.rows[idx], L.cols[idx]),
                                max(used), False)
