@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--max-batch", default="8")
     ap.add_argument("--rate", default="offline")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")

@@ -5,8 +5,9 @@ runs it, without HTTP) once per batching, `runs` times in turns (exit, static, d
 warm-up each; medians are reported.
 
 Trace. `requests` prompts cut from the run's held-out text (`looplm eval`'s windows, or --data): each a
-seeded length between half and all of `prompt_tokens`, each asking for `new_tokens` greedy tokens (eos
-does not stop them, so every batching decodes the same number of tokens). Arrivals: a seeded Poisson
+seeded length between half and all of `prompt_tokens`, each asking for a seeded number of greedy tokens
+between a quarter and all of `new_tokens` (requests end at different steps, as real ones do; eos does not
+stop them, so every batching decodes the same tokens). Arrivals: a seeded Poisson
 process at each `rate` (requests per second; the same arrival times for every batching), or "offline":
 every request at time 0. Timing is the wall clock: a request is submitted when the clock passes its
 arrival, and its latency counts from its arrival, not from when the scheduler noticed it.
@@ -106,7 +107,13 @@ def flop_bound(cfg: Any, rounds: int, mean_rounds: float, column: int) -> float:
     return (f0 + rounds * fr) / (f0 + mean_rounds * fr)
 
 
-def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_tokens: int, max_batch: int
+def new_tokens_of(requests: int, new_tokens: int, seed: int) -> list[int]:
+    """Each request's max_new_tokens: seeded in [new_tokens/4, new_tokens]."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randint(max(1, new_tokens // 4), new_tokens + 1, (requests,), generator=g).tolist()
+
+
+def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_tokens: list[int], max_batch: int
                 ) -> dict[str, Any]:
     """Serve the trace with the server's scheduler (one batch of `max_batch` rows); per-request timings."""
     from types import SimpleNamespace
@@ -125,7 +132,6 @@ def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_t
     out: list[list[int]] = [[] for _ in range(n)]
     used: list[int] = []
     failed: list[BaseException] = []
-    sp = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
 
     def sender(i: int):
         def send(ev: Any) -> None:
@@ -147,7 +153,8 @@ def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_t
     while i < n or sched.busy:
         now = time.perf_counter() - t0
         while i < n and times[i] <= now:
-            sched.submit(Row(ids=prompts[i], params=sp, send=sender(i)))
+            sched.submit(Row(ids=prompts[i], params=SamplingParams(max_new_tokens=new_tokens[i], stop_at_eos=False),
+                             send=sender(i)))
             i += 1
         if sched.busy:
             sched.tick()
@@ -203,20 +210,22 @@ def bench_serve(run_dir: str, *, batchings: list[str] | None = None, rates: list
         check_batching(eng, b)
         engines[b] = eng
     prompts = trace(run, requests, prompt_tokens, seed, data)
+    lengths = new_tokens_of(requests, new_tokens, seed)
     ctx = run.recipe.model.context
     if max(map(len, prompts)) + new_tokens - 1 > ctx:
         raise UserError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens}: exceed the context of {ctx}")
     column = int(statistics.fmean(map(len, prompts)) + new_tokens / 2)
     with torch.inference_mode():
         for b in batchings:                    # warm-up: oneDNN primitives, allocator
-            serve_trace(engines[b], prompts[:max_batch], [0.0] * min(max_batch, len(prompts)), 2, max_batch)
+            serve_trace(engines[b], prompts[:max_batch], [0.0] * min(max_batch, len(prompts)), [2] * max_batch,
+                        max_batch)
     results = []
     for rate in rates:
         times = arrivals(rate, requests, seed)
         trials: dict[str, list[dict[str, Any]]] = {b: [] for b in batchings}
         for _ in range(runs):
             for b in batchings:
-                trials[b].append(serve_trace(engines[b], prompts, times, new_tokens, max_batch))
+                trials[b].append(serve_trace(engines[b], prompts, times, lengths, max_batch))
         rows = {}
         for b in batchings:
             med = {k: statistics.median(t[k] for t in trials[b]) for k in METRICS}
@@ -243,7 +252,7 @@ def bench_serve(run_dir: str, *, batchings: list[str] | None = None, rates: list
 def serve_lines(result: dict[str, Any]) -> list[str]:
     """The table `looplm bench serve` prints."""
     lines = [f"{result['run']}: R = {result['rounds']}, exit {result['exit']}, {result['requests']} requests x "
-             f"{result['new_tokens']} tokens, {result['max_batch']} rows, medians of {result['runs']} runs, "
+             f"<= {result['new_tokens']} tokens, {result['max_batch']} rows, medians of {result['runs']} runs, "
              f"{result['threads']} threads",
              f"{'rate':>8} {'batching':>8} {'req/s':>7} {'tok/s':>8} {'p50 s':>7} {'p99 s':>7} {'ttft s':>7} "
              f"{'rows':>5} {'rounds':>6} {'speedup':>7} {'bound':>6} {'share':>6} {'mem-bound':>9}"]

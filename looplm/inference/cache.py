@@ -408,26 +408,30 @@ class RowColumns:
         self.core_mask = self.mask
         if rounds is not None and cache.per_round and cache.missing == "mask":
             self.core_mask = self.mask & (cache.depth[rows, :E] >= rounds[:, None]).view(M, 1, 1, E)
-        # the core slot each row writes: its round's under the per-round layout, the shared one otherwise
+        # the core slot each row writes: its round's under the per-round layout, the shared one otherwise; as an
+        # index into the core storage seen as (S * n_core * B, H, L, Dh) (index_select reads a row's history
+        # 3x faster than indexing three dimensions at once), block i adding i * B
         self.slot = None if rounds is None else (rounds - 1 if cache.per_round else torch.zeros_like(rounds))
+        self.flat = None if rounds is None else self.slot * (cache.n_core * cache.batch) + rows
 
     def attend(self, slot: tuple, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """`KVCache.attend` for one column per row: q, k, v (M, H, 1, Dh)."""
         c, rows, cols, E = self.c, self.rows, self.cols, self.E
         kind, _, i = slot
         if kind == "core":
-            if self.slot is None:
+            if self.flat is None:
                 raise ValueError("RowColumns: core visits need each row's round")
-            s = self.slot
-            c.k_core[s, i, rows, :, cols] = k[:, :, 0]
-            c.v_core[s, i, rows, :, cols] = v[:, :, 0]
+            at = self.flat + i * c.batch                                       # (M,) (slot, block, row)
+            kb, vb = c.k_core.view(-1, *c.k_core.shape[3:]), c.v_core.view(-1, *c.v_core.shape[3:])
             if not c.per_round:
                 c.row_stash(i, rows, self.rounds, k[:, :, 0], v[:, :, 0])
-            return sdpa(q, c.k_core[s, i, rows, :, :E], c.v_core[s, i, rows, :, :E], self.core_mask)
-        kb, vb = (c.k_prelude[i], c.v_prelude[i]) if kind == "prelude" else (c.k_coda[i], c.v_coda[i])
+            rows, mask = at, self.core_mask
+        else:
+            kb, vb = (c.k_prelude[i], c.v_prelude[i]) if kind == "prelude" else (c.k_coda[i], c.v_coda[i])
+            mask = self.mask
         kb[rows, :, cols] = k[:, :, 0]
         vb[rows, :, cols] = v[:, :, 0]
-        return sdpa(q, kb[rows, :, :E], vb[rows, :, :E], self.mask)
+        return sdpa(q, kb[:, :, :E].index_select(0, rows), vb[:, :, :E].index_select(0, rows), mask)
 
 
 def _index(rows: Tensor | None) -> Tensor | slice | None:

@@ -296,7 +296,10 @@ class DepthBatch(DecodeBatch):
                                0, False)                                   # (M', V)
                 logits = lg.new_zeros(len(L), lg.shape[-1]).index_copy_(0, sel, lg)
         stop = ctl.decide(ran, L.rows, hazard=hazard, logits=logits, read=read)    # each token at its own round
-        events = self._leave(L, s, stop, ran) if bool(stop.any()) else []
+        if not bool(stop.any()):
+            self.loop = L
+            return []
+        events = self._leave(L, s, stop, ran)
         self.loop = L.keep(~stop)
         return events
 
