@@ -144,3 +144,9 @@ def test_the_table_keeps_the_engines_messages():
     for fields, message in cases:
         with pytest.raises(UserError, match=message):
             Engine(model, TOK, GenerationConfig(**fields))
+
+
+def test_the_docs_show_the_table_as_it_is():
+    from pathlib import Path
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "inference.md").read_text()
+    assert capabilities.table_markdown() in docs, "docs/inference.md: paste capabilities.table_markdown() again"

@@ -462,3 +462,39 @@ def test_controller_state_across_rounds() -> None:
     # round 3: token 0 repeats its round-2 distribution (KL 0), token 1 moves (KL > EPS)
     assert kl.decide(3, logits=torch.cat([a, b])).tolist() == [True, False]
     torch.testing.assert_close(kl.logits, torch.cat([a, b]))                    # the exit readouts
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["fixed:3", "quantile:0.5", "entropy:1.2", "kl:0.05"]), min_rounds=st.integers(1, 3),
+       starts=st.lists(st.integers(0, 3), min_size=2, max_size=6), seed=st.integers(0, 1000))
+def test_one_call_with_each_tokens_round_decides_as_one_call_per_round(kind, min_rounds, starts, seed):
+    """Continuous depth batching decides tokens at different rounds in one call (`decide(r=(M,) rounds)`): the
+    same stops, exit rounds and state as deciding each round's tokens separately with an int round."""
+    from looplm.halting import ExitController, parse_exit_policy
+    policy = parse_exit_policy(kind, min_rounds=min_rounds)
+    R, n, V = 5, len(starts), 7
+    g = torch.Generator().manual_seed(seed)
+    hazards = torch.rand(n, R, generator=g)                  # token t's hazard and readout at each round
+    logits = torch.randn(n, R, V, generator=g) * 2
+    ref, one = ExitController(policy, R, n), ExitController(policy, R, n)
+    rounds = [0] * n                                         # rounds each token has run
+    for step in range(12):
+        live = [t for t in range(n) if step >= starts[t] and ref.active[t] and rounds[t] < R]
+        if not live:
+            continue
+        for t in live:
+            rounds[t] += 1
+        ids = torch.tensor(live)
+        r = torch.tensor([rounds[t] for t in live])
+        read = ref.reads[r]
+        lg = torch.stack([logits[t, rounds[t] - 1] for t in live])
+        h = torch.stack([hazards[t, rounds[t] - 1] for t in live])
+        got = one.decide(r, ids, hazard=h, logits=lg if bool(read.any()) else None, read=read)
+        want = torch.zeros(len(live), dtype=torch.bool)
+        for x in sorted(set(r.tolist())):                    # the reference: one int call per round group
+            sel = (r == x).nonzero().squeeze(1)
+            want[sel] = ref.decide(x, ids[sel], hazard=h[sel], logits=lg[sel] if ref.needs_readout(x) else None)
+        assert torch.equal(got, want)
+    assert torch.equal(one.exit_round, ref.exit_round) and torch.equal(one.active, ref.active)
+    if ref.logits is not None:
+        assert torch.equal(one.logits, ref.logits)

@@ -103,6 +103,8 @@ class Rule:
     a: str
     b: str | None
     message: str | Callable[[Decode], str]
+    brief: str = ""
+    """For a rule of one feature: what it needs, in a few words (the docs' table)."""
 
     def text(self, d: Decode) -> str:
         return self.message(d) if callable(self.message) else self.message
@@ -127,9 +129,10 @@ _DB = "--batching depth: not available with "
 RULES: tuple[Rule, ...] = (
     Rule("euler", None, "model.round_update = euler: the cached engine holds one key/value entry per block visit and "
                         "Euler sub-steps visit each core block k times a round; evaluate it with whole-sequence "
-                        "forwards (looplm eval, lm-eval, generate --no-cache)"),
+                        "forwards (looplm eval, lm-eval, generate --no-cache)",
+         brief="whole-sequence forwards, not the cached engine"),
     Rule("quantile_exit", None, lambda d: f"--exit {_exit(d)}: quantile needs a model trained with an exit gate "
-                                          "(exit.gate)"),
+                                          "(exit.gate)", brief="a model with an exit gate"),
     # a Mixture-of-Recursions router decides every token's depth
     Rule("mor", "early_exit", lambda d: routed_depth(d.rounds)),
     Rule("mor", "speculative", "--speculative: not available for a Mixture-of-Recursions model (drafts at a fixed "
@@ -146,7 +149,7 @@ RULES: tuple[Rule, ...] = (
          "--exit fixed, or draft with the policy: --speculative exit:K"),
     Rule("speculative_exit", None, lambda d: f"--speculative {d.config.speculative}: exit drafts stop by an early-exit "
          "policy; pass --exit entropy:TAU, kl:EPS or quantile:Q (the output stays full-depth)"
-         if d.policy not in ("entropy", "kl", "quantile") else ""),
+         if d.policy not in ("entropy", "kl", "quantile") else "", brief="an early-exit policy"),
     Rule("speculative", "decode_cache", "--speculative needs --decode-cache full (verification must reproduce plain "
                                         "decoding)"),
     Rule("speculative_exit", "decode_cache", "--speculative needs --decode-cache full (verification must reproduce "
@@ -249,11 +252,11 @@ def check_batching(engine: Any, batching: str) -> None:
 
 def table_markdown() -> str:
     """The table as docs/inference.md shows it: each feature, and what it refuses."""
-    lines = ["| feature | what | refuses |", "|---|---|---|"]
+    lines = ["| feature | what | not with | needs |", "|---|---|---|---|"]
     for f in FEATURES:
         refuses = sorted({r.b if r.a == f.name else r.a for r in RULES
                           if f.name in (r.a, r.b) and r.b is not None})
-        alone = [r for r in RULES if r.a == f.name and r.b is None]
-        note = ", ".join(refuses) + ("; needs: see message" if alone else "")
-        lines.append(f"| `{f.name}` | {f.what} | {note or '—'} |")
+        needs = "; ".join(r.brief for r in RULES if r.a == f.name and r.b is None)
+        what = f.what.replace("|", "\\|")
+        lines.append(f"| `{f.name}` | {what} | {', '.join(f'`{x}`' for x in refuses) or '—'} | {needs or '—'} |")
     return "\n".join(lines)
