@@ -942,14 +942,8 @@ def cmd_experiment_depth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill-cache", help="what prompt tokens keep: full, first, last or average (default full)")
-    p.add_argument("--decode-cache", help="what generated tokens keep: full, first, last or average (default full)")
-    p.add_argument("--missing-kv", help="under full, what later rounds read for tokens that exited early: "
-                                        "copy_forward (default) or mask")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from .inference.options import add_flags
     p = _Parser(prog="looplm", description="Build, train, evaluate and serve looped language models.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = p.add_subparsers(dest="command", required=True)
@@ -1013,11 +1007,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rounds", help="comma-separated round counts, e.g. 1,2,4,8")
     e.add_argument("--data", help="evaluate on this instead of the run's split: text file/folder (language-model run) "
                                   "or a JSONL file of prompt/answer lines (task run)")
-    e.add_argument("--exit", metavar="POLICY", help="per-token early exit: fixed:R, quantile:Q, entropy:TAU or kl:EPS")
+    add_flags(e, ("exit",), {"exit": "Measured: held-out loss with each token stopped where the policy says, and "
+                                     "the rounds saved."})
     e.add_argument("--exit-sweep", metavar="KIND", help="sweep quantile|entropy|kl thresholds (optionally KIND:V1,V2,..)"
                                                         "; writes a table, a plot and a report.md section")
-    e.add_argument("--missing-kv", help="with --exit/--exit-sweep: what later rounds read for tokens that exited "
-                                        "early, copy_forward (default) or mask (as generate/serve --missing-kv)")
+    add_flags(e, ("missing_kv",), {"missing_kv": "With --exit/--exit-sweep."})
     e.add_argument("--batch-size", type=int, metavar="N",
                    help="rows per forward pass over the same validation windows (default the recipe's "
                         "train.batch_size); larger passes time early exit with less per-call overhead")
@@ -1026,9 +1020,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stability, e.g. 1,2,4,8,16,30; default 1,2,3)")
     e.add_argument("--cache-sweep", action="store_true",
                    help="loss of held-out continuations decoded through each prefill/decode cache policy pair")
-    e.add_argument("--contrast", metavar="ROUND:BETA",
-                   help="also the held-out loss and next-token accuracy with LoopCD-style logits z_R + BETA (z_R - "
-                        "z_r) at the run's depth R, beside the plain ones (language-model runs; docs/inference.md)")
+    add_flags(e, ("contrast",), {"contrast": "As ROUND:BETA: also the held-out loss and next-token accuracy "
+                                             "with these logits at the run's depth, beside the plain ones "
+                                             "(language-model runs; docs/inference.md)."})
     e.add_argument("--prompt-mode", metavar="MODE[,MODE...]",
                    help="a task run: exact match of greedy answers decoded by the cached engine in each of these "
                         "prompt modes (standard, soft, fused: as generate --prompt-mode), by difficulty, at the "
@@ -1043,35 +1037,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat "
                                                        "template (an imported chat model's, e.g. SmolLM2-Instruct)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--rounds", type=int, default=None, help="rounds per token (default: the recipe's depth.rounds)")
-    g.add_argument("--exit", help="exit policy: fixed:R, quantile:Q, entropy:TAU or kl:EPS (default: the recipe's)")
-    _cache_args(g)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (slow reference)")
-    g.add_argument("--speculative", metavar="ROUNDS:K",
-                   help="draft K tokens with ROUNDS rounds (exit:K: drafts stop by --exit), verify at full depth")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL repetition penalty (1 = off)")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty (0 = off)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty (0 = off)")
-    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="OpenAI's logit bias: add BIAS in [-100, 100] to token ID's logit (repeatable)")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="report each token's log-probability and the N likeliest tokens' (with --json)")
     g.add_argument("--recirculate", metavar="S:D:ALPHA",
                    help="recirculation: mix visit S's residual into visit D < S at weight ALPHA and refine each "
                         "position's history (docs/recirculation.md; `looplm recirculate RUN --visits` lists visits)")
     _recirculation_args(g)
-    g.add_argument("--contrast", metavar="ROUND:BETA",
-                   help="LoopCD-style decoding: logits z_R + BETA (z_R - z_r), the final round R's readout extrapolated away "
-                        "from round ROUND's (1 <= ROUND < R, BETA >= 0; fixed depth; docs/inference.md)")
-    g.add_argument("--prompt-mode", choices=("standard", "soft", "fused"),
-                   help="a feedback model's prompt mode: standard (no feedback), soft (default: feedback from the "
-                        "prompt's end on) or fused (an extra prefill pass with feedback)")
+    add_flags(g, ("max_new_tokens", "temperature", "seed", "rounds", "exit", "prefill_cache", "decode_cache",
+                  "missing_kv", "speculative", "top_k", "top_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "logit_bias", "stop", "logprobs", "contrast", "prompt_mode"),
+              {"exit": "Default: the recipe's exit.policy.",
+               "logprobs": "Shown with --json.", "logit_bias": "Repeatable: --logit-bias ID=BIAS.",
+               "stop": "Repeatable.", "contrast": "As ROUND:BETA (docs/inference.md)."})
     _device_arg(g)
     _dtype_arg(g)
     g.add_argument("--json", action="store_true")
@@ -1083,8 +1059,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address to bind (default 127.0.0.1, loopback only; beyond loopback without "
                          "--api-key prints a warning)")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--exit", help="exit policy for every request (default: the recipe's)")
-    _cache_args(sv)
+    add_flags(sv, ("exit", "prefill_cache", "decode_cache", "missing_kv"),
+              {"exit": "For every request; default: the recipe's exit.policy."})
     sv.add_argument("--max-prompt-tokens", type=int, default=0, help="longest prompt (0 = the context)")
     sv.add_argument("--max-tokens", type=int, default=512, help="largest max_tokens a request may ask for")
     sv.add_argument("--max-n", type=int, default=8,
@@ -1109,18 +1085,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batches", type=int, default=4,
                     help="batches running at once, one decode step each in turn (new prompts need not wait)")
     sv.add_argument("--batch-window-ms", type=float, default=5.0, help="wait this long to fill a batch")
-    sv.add_argument("--speculative", metavar="ROUNDS:K",
-                    help="self-speculative decoding for every request (one row per batch; batches run in turn)")
     sv.add_argument("--recirculate", metavar="S:D:ALPHA",
                     help="recirculation for every request (as generate --recirculate; docs/recirculation.md)")
     _recirculation_args(sv)
-    sv.add_argument("--contrast", metavar="ROUND:BETA",
-                    help="LoopCD-style decoding for every request (as generate --contrast; docs/inference.md)")
-    sv.add_argument("--batching", choices=("exit", "depth", "static"), default="exit",
-                    help="how decode steps group tokens: exit (a step runs every row until its deepest token exits), "
-                         "depth (continuous depth batching: one round per step for every token in flight, a row "
-                         "whose token exits takes its next one at once; one batch of --max-batch x --max-batches "
-                         "rows) or static (every token at full depth). docs/inference.md")
+    add_flags(sv, ("speculative", "contrast", "batching"),
+              {"speculative": "For every request: one row per batch, batches in turn.",
+               "contrast": "For every request, as ROUND:BETA (docs/inference.md).",
+               "batching": "One depth batch holds --max-batch x --max-batches rows (docs/inference.md)."})
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt columns prefilled per tick: a new batch's, and joining prompts' per batch "
                          "(other rows step in between; 0 = a whole prompt at once)")

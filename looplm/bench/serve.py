@@ -108,9 +108,10 @@ def flop_bound(cfg: Any, rounds: int, mean_rounds: float, column: int) -> float:
 
 
 def new_tokens_of(requests: int, new_tokens: int, seed: int) -> list[int]:
-    """Each request's max_new_tokens: seeded in [new_tokens/4, new_tokens]."""
+    """Each request's max_new_tokens: seeded in [new_tokens/4, new_tokens], at least 2 (one decoded token: the
+    first comes from the prefill, and the batchings differ in the decoded ones)."""
     g = torch.Generator().manual_seed(seed + 1)
-    return torch.randint(max(1, new_tokens // 4), new_tokens + 1, (requests,), generator=g).tolist()
+    return torch.randint(max(2, new_tokens // 4), new_tokens + 1, (requests,), generator=g).tolist()
 
 
 def serve_trace(engine: Any, prompts: list[list[int]], times: list[float], new_tokens: list[int], max_batch: int
@@ -195,7 +196,7 @@ def bench_serve(run_dir: str, *, batchings: list[str] | None = None, rates: list
 
     batchings = batchings or ["exit", "static", "depth"]
     rates = rates or [math.inf]
-    for name, value, low in (("--requests", requests, 1), ("--new-tokens", new_tokens, 1),
+    for name, value, low in (("--requests", requests, 1), ("--new-tokens", new_tokens, 2),
                              ("--max-batch", max_batch, 1), ("--runs", runs, 1), ("--threads", threads, 0)):
         if value < low:
             raise UserError(f"{name} {value}: must be >= {low}")

@@ -1050,18 +1050,12 @@ def dump_toml(data: dict[str, Any]) -> str:
 def field_docs() -> dict[str, list[tuple[str, str, str, str]]]:
     """section -> [(field, default, docstring, applies when)], read from the attribute docstrings and the
     applicability rules above (for docs/recipe.md)."""
-    import ast
-    import inspect
+    from ..docstrings import attribute_docs
     out = {}
     for section, cls in typing.get_type_hints(Recipe).items():
         if section == "name":
             continue
-        tree = ast.parse(inspect.getsource(cls))
-        body = tree.body[0].body
-        docs = {}
-        for a, b in zip(body, body[1:]):
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-                docs[a.target.id] = " ".join(b.value.value.split())  # one line: it lands in a table row
+        docs = attribute_docs(cls)                  # one line each: they land in table rows
         hints = typing.get_type_hints(cls)
         out[section] = [(f.name, _toml_value(_to_plain(_default(f))), f"{_type_name(hints[f.name])}. {docs.get(f.name, '')}",
                          "; ".join(c.text for c in f.metadata.get("applies", ())) or "always")
