@@ -283,10 +283,8 @@ def _eval_contrast(model: Any, batches: Any, contrast: tuple[int, float], depth:
             if engine is None:
                 contrastive = contrast_logits(plain, out.round_logits[r], beta)
             else:
-                cache = engine.new_cache(*x.shape)
                 noise = s0 if model.cfg.init_state == "random" else None       # position-indexed, as the engine's
-                contrastive = torch.stack([engine.run_chunk(x[:, c:c + 1], c, cache, noise=noise).logits
-                                           for c in range(x.shape[1])], 1)                     # (B, T, V)
+                contrastive = engine.score(x, 0, noise=noise)[0]                                # (B, T, V)
             for name, z in (("plain", plain), ("contrast", contrastive)):
                 loss[name] += token_losses(z, y).sum().item()
                 hits[name] += int((z.argmax(-1) == y).sum())

@@ -529,14 +529,10 @@ def check_routed_decode(run: Run) -> CheckResult:
     ids = _sample_ids(run, min(20, m.cfg.context))[:1]
     full = m(ids)
     engine = Engine.from_run(run)
-    engine.kernels()
-    cache = engine.new_cache(1, ids.shape[1])
-    worst, depths = 0.0, []
     with torch.inference_mode():
-        for c in range(ids.shape[1]):
-            lg, used = engine.run_chunk(ids[:, c:c + 1], c, cache, phase="decode")
-            worst = max(worst, (lg[0] - full.logits[0, c]).abs().max().item())
-            depths.append(int(used[0]))
+        logits, used = engine.score(ids, 0)                             # (1, T, V), (1, T): one column at a time
+    worst = (logits[0] - full.logits[0]).abs().max().item()
+    depths = used[0].tolist()
     same = depths == full.rounds_used[0].tolist()
     return CheckResult(name, same and worst <= 1e-3,
                        f"{len(depths)} tokens decoded one at a time under the {m.cfg.mor_cache} cache rule: depths "

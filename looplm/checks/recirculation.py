@@ -185,7 +185,7 @@ def check_recirculation_visit_indexing(run: Run, rx: _Recirc) -> CheckResult:
     n = cfg.n_prelude + R * cfg.n_core + cfg.n_coda
     plan = visits.visit_plan(cfg, R)
     sessions = _observe_taps(rx.engine)
-    rx.engine.run_chunk(_sample_ids(run, T)[:1], 0, rx.engine.new_cache(1, T), phase="prefill", all_logits=True)
+    rx.engine.score(_sample_ids(run, T)[:1], T, prompt_logits=True)
     bad = []
     if [v.index for v in plan] != list(range(n)):
         bad.append(f"the plan lists visits {[v.index for v in plan]}, not 0..{n - 1}")
@@ -256,7 +256,7 @@ def check_recirculation_cache_refresh(run: Run, rx: _Recirc) -> CheckResult:
     the first (the first has no history: equal in both)."""
     x = _sample_ids(run, min(8, run.model.cfg.context))
     B, T = x.shape
-    got = rx.engine.run_chunk(x, 0, rx.engine.new_cache(B, T), phase="prefill", all_logits=True).logits   # (B, T, V)
+    got = rx.engine.score(x, T, prompt_logits=True)[0]                                   # (B, T, V)
     fresh, stale = rx.plain.new_cache(B, T), rx.plain.new_cache(B, T)
     want = torch.stack([_hand_position(rx, x, t, fresh)[0] for t in range(T)], 1)
     old = torch.stack([_hand_position(rx, x, t, stale, stale=True)[0] for t in range(T)], 1)
@@ -306,7 +306,7 @@ def check_recirculation_no_cross_token_leak(run: Run, rx: _Recirc) -> CheckResul
     x = _sample_ids(run, min(8, run.model.cfg.context))
     B, T = x.shape
     sessions = _observe_taps(rx.engine)
-    logits = rx.engine.run_chunk(x, 0, rx.engine.new_cache(B, T), phase="prefill", all_logits=True).logits
+    logits = rx.engine.score(x, T, prompt_logits=True)[0]
     if len(sessions) != 2 * T or any(len(c) <= max(rx.d, rx.s) for c in sessions):
         return CheckResult(rx.name, False, f"{rx.where}: {len(sessions)} tapped passes for {T} positions, not an "
                                            "ordinary pass and a refinement each", MEASURED)
@@ -322,7 +322,7 @@ def check_recirculation_no_cross_token_leak(run: Run, rx: _Recirc) -> CheckResul
     cut = T // 2
     other = x.clone()
     other[:, cut:] = _sample_ids(run, T, seed=1)[:, cut:]
-    moved = rx.engine.run_chunk(other, 0, rx.engine.new_cache(B, T), phase="prefill", all_logits=True).logits
+    moved = rx.engine.score(other, T, prompt_logits=True)[0]
     before = (moved[:, :cut] - logits[:, :cut]).abs().max().item()
     after = (moved[:, cut:] - logits[:, cut:]).abs().max().item()
     rel = 1e-5 if logits.dtype == torch.float32 else 1e-2
@@ -353,7 +353,7 @@ def check_recirculation_resume(run: Run, rx: _Recirc) -> CheckResult:
     try:
         for name, eng in (("serial", rx.engine), ("resume", fast)):
             calls[0] = 0
-            got[name] = (eng.run_chunk(x, 0, eng.new_cache(1, T), phase="prefill", all_logits=True).logits, calls[0])
+            got[name] = (eng.score(x, T, prompt_logits=True)[0], calls[0])
     finally:
         for h in hooks:
             h.remove()

@@ -40,18 +40,11 @@ def continuation_loss(engine: Engine, batches: list[tuple[torch.Tensor, torch.Te
         B, T = x.shape
         h = T // 2
         noise = engine.initial_noise([SamplingParams(seed=i)] * B, next(engine.model.parameters()))
-        cache = engine.new_cache(B, T)
-        core = cache.nbytes()["core"]
-        if engine.adaptive and engine.policy.exit_in_prefill:           # prompt tokens may exit: one column at a time
-            for t in range(h):
-                engine.run_chunk(x[:, t:t + 1], t, cache, phase="prefill", noise=noise)
-        else:
-            engine.run_chunk(x[:, :h], 0, cache, phase="prefill", noise=noise)
-        for t in range(h, T):
-            logits, used = engine.run_chunk(x[:, t:t + 1], t, cache, noise=noise)     # (B, V)
-            total += F.cross_entropy(logits.float(), y[:, t], reduction="sum").item()
-            rounds += float(used) * B if isinstance(used, int) else float(used.sum())
-            count += B
+        core = engine.new_cache(B, T).nbytes()["core"]
+        logits, used = engine.score(x, h, noise=noise)               # (B, T - h, V), (B, T - h): teacher-forced
+        total += F.cross_entropy(logits.flatten(0, 1).float(), y[:, h:].flatten(), reduction="sum").item()
+        rounds += float(used.sum())
+        count += used.numel()
     loss = total / count
     return {"loss": loss, "ppl": math.exp(min(50.0, loss)), "mean_rounds": rounds / count,
             "core_cache_bytes": core, "tokens": count}

@@ -115,13 +115,10 @@ def heldout_loss(engine: Engine, windows: Windows, prompt: int | None = None) ->
         B, T = x.shape
         noise = engine.initial_noise([SamplingParams()], ref)
         noise = None if noise is None else noise.expand(B, -1, -1)      # one table, every row (not B copies)
-        cache = engine.new_cache(B, T)
-        if prompt is None:
-            logits = engine.run_chunk(x, 0, cache, phase="prefill", noise=noise, all_logits=True).logits
+        if prompt is None:                                              # one prefill chunk, every column scored
+            logits = engine.score(x, T, noise=noise, prompt_logits=True)[0]                   # (B, T, V)
         else:
-            engine.run_chunk(x[:, :prompt], 0, cache, phase="prefill", noise=noise)
-            logits = torch.stack([engine.run_chunk(x[:, c:c + 1], c, cache, noise=noise).logits
-                                  for c in range(prompt, T)], 1)                          # (B, T - prompt, V)
+            logits = engine.score(x, prompt, noise=noise)[0]                                  # (B, T - prompt, V)
             y = y[:, prompt:]
         total += token_losses(logits, y).sum().item()
         count += y.numel()

@@ -329,19 +329,15 @@ def _column_by_column(model, idx: Tensor, s0: Tensor, ctl: ExitController, missi
     engine = Engine(model, None, GenerationConfig(rounds=R, exit=str(policy), min_rounds=policy.min_rounds,
                                                   exit_in_prefill=policy.exit_in_prefill, missing=missing))
     noise = s0 if model.cfg.init_state == "random" else None           # position-indexed, as the engine's table
-    cache = engine.new_cache(B, T)
     may = None if ctl.may_exit is None else ctl.may_exit.view(B, T)
-    logits, used = [], []
+    cache = engine.new_cache(B, T)
     with torch.inference_mode():
-        for c in range(T):
-            lg, u = engine.run_chunk(idx[:, c:c + 1], c, cache, phase="prefill" if prefill else "decode",
-                                     noise=noise, may_exit=None if may is None else may[:, c])
-            logits.append(lg)                                           # (B, V)
-            used.append(torch.full((B,), u) if isinstance(u, int) else u)
-    rounds_used = torch.stack(used, 1).to(idx.device)                  # (B, T)
+        logits, used = engine.score(idx, 0, noise=noise, phase="prefill" if prefill else "decode", may_exit=may,
+                                    cache=cache)
+    rounds_used = used.to(idx.device)                                  # (B, T)
     rounds = torch.arange(1, R + 1, device=idx.device)
     computed = rounds <= rounds_used.unsqueeze(-1)                     # (B, T, R)
     reads = torch.tensor([r in ctl.read_rounds for r in range(1, R + 1)], device=idx.device)
-    return AdaptiveOutput(logits=torch.stack(logits, 1).clone(), rounds=int(rounds_used.max()),
+    return AdaptiveOutput(logits=logits.clone(), rounds=int(rounds_used.max()),
                           rounds_used=rounds_used, hazards=None, state=None, cache=cache, computed=computed,
                           read_out=computed & reads, rows_computed=int(rounds_used.sum()), policy=policy)

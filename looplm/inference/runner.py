@@ -362,6 +362,50 @@ class Runner:
                          gate_rounds=u if ctl.needs_hazard else 0, rows=n)
         return ChunkResult(logits, used) if rows is None else ChunkResult(logits[rows], used[rows.cpu()])
 
+    def score(self, x: Tensor, prompt: int = 0, *, noise: Tensor | None = None, phase: str = "decode",
+              may_exit: Tensor | None = None, prompt_logits: bool = False, cache: LoopKVCache | None = None
+              ) -> tuple[Tensor, Tensor]:
+        """Teacher-forced decoding of token windows x (B, T) through this runner's chunks: the one loop for every
+        caller that scores a sequence as generation computes it (cache-policy sweeps, early-exit evaluation with a
+        coda, LoopCD's held-out loss, recirculation's held-out loss, the routed-decode check). x[:, :prompt] is
+        one prefill chunk (column by column when prompt tokens may exit: `exit_in_prefill`), then every later
+        column a one-column chunk in `phase` ("decode", or "prefill": every token read as a prompt token).
+
+        noise: the rows' initial loop states by position, (B, >= T, d) (`initial_noise`'s seeded tables, or the
+        initial states a whole-sequence pass drew: position-indexed either way, so both compute that pass's
+        function), None for the model's own. may_exit (B, T) bool: which tokens may exit early. cache: a
+        `new_cache(B, >= T)` to fill (the caller reads it afterwards), default a fresh one.
+
+        Returns (logits, rounds): logits (B, T - prompt, V) of the columns after the prompt (with
+        prompt_logits (B, T, V): the prompt chunk's every column too), rounds (B, T - prompt) each scored
+        column ran."""
+        self.kernels()
+        B, T = x.shape
+        if not 0 <= prompt <= T:
+            raise ValueError(f"score: prompt {prompt} outside 0..{T}")
+        cache = self.new_cache(B, T) if cache is None else cache
+        out: list[Tensor] = []
+        used: list[Tensor] = []
+        if prompt:
+            if self.adaptive and self.policy.exit_in_prefill:     # prompt tokens may exit: one column at a time
+                cols = [self.run_chunk(x[:, c:c + 1], c, cache, phase="prefill", noise=noise,
+                                       may_exit=None if may_exit is None else may_exit[:, c]) for c in range(prompt)]
+                if prompt_logits:
+                    out += [lg.unsqueeze(1) for lg, _ in cols]
+            else:
+                lg, _ = self.run_chunk(x[:, :prompt], 0, cache, phase="prefill", noise=noise, all_logits=prompt_logits)
+                if prompt_logits:
+                    out.append(lg)
+        for c in range(prompt, T):
+            lg, u = self.run_chunk(x[:, c:c + 1], c, cache, phase=phase, noise=noise,
+                                   may_exit=None if may_exit is None else may_exit[:, c])
+            out.append(lg.unsqueeze(1))                                                     # (B, 1, V)
+            used.append(torch.full((B,), u) if isinstance(u, int) else u.cpu())
+        logits = torch.cat(out, 1) if out else \
+            x.new_zeros(B, 0, self.cfg.vocab_size, dtype=next(self.model.parameters()).dtype)
+        rounds = torch.stack(used, 1) if used else torch.zeros(B, 0, dtype=torch.long)
+        return logits, rounds
+
     def chunk_inputs(self, idx: Tensor, start: int, cache: LoopKVCache, noise: Tensor | None,
                      rows: Tensor | None, feedback: tuple[Tensor, Tensor] | None = None) -> tuple[Any, Tensor, Tensor]:
         """After `cache.begin(start, T, phase, rows)`: the chunk's RoPE tables, prelude output e
