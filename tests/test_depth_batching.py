@@ -157,6 +157,10 @@ def test_engine_generate_with_depth_batching_and_its_stats():
     assert st["decode_tokens"] == decoded
     assert st["row_rounds"] == sum(sum(o.rounds_used[1:]) for o in out)      # every round a decoded token ran
     assert st["mean_batch_rows"] == st["row_rounds"] / st["loop_steps"]
+    # the FLOP record: the same tokens at the same columns for the same rounds as the plain batch's record
+    # (its prompts left-padded alike), counted token by token as they leave the loop
+    assert st["flops"]["decode"] == pytest.approx(want[0].stats["flops"]["decode"], rel=1e-12)
+    assert st["flops"]["prefill"] == pytest.approx(want[0].stats["flops"]["prefill"], rel=1e-12)
 
 
 def test_the_kernels_count_the_rounds_and_rows_the_model_ran():
