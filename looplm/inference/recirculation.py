@@ -37,7 +37,6 @@ from ..model.visits import visit_index, visit_plan
 
 if TYPE_CHECKING:
     from .cache import LoopKVCache
-    from .runner import ChunkResult, Runner
 
 
 @dataclass(frozen=True)
@@ -173,12 +172,12 @@ def schedule(run_pass: Callable[..., Tensor], rc: Recirculation, cfg: Any, round
     return out
 
 
-def recirculated_chunk(engine: "Runner", rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
+def recirculated_chunk(engine: Any, rc: Recirculation, idx: Tensor, start: int, cache: "LoopKVCache", *,
                        phase: str, noise: Tensor | None, all_logits: bool, rows: Tensor | None,
-                       work: Any, work_phase: str | None) -> "ChunkResult":
-    """`Runner.run_chunk` under recirculation: `schedule` over the engine's chunks (resume and serial: column
-    by column; blockwise: whole); the logits are the ordinary passes'."""
-    from .runner import ChunkResult
+                       work: Any, work_phase: str | None) -> tuple[Tensor, int]:
+    """`Runner.run_chunk` under recirculation: `schedule` over the runner's chunks (resume and serial: column
+    by column; blockwise: whole); (logits, rounds), the logits the ordinary passes'. `engine` is the runner
+    (runner.py, which calls this: this module does not import it back)."""
     k, R = engine.kernels(), engine.rounds
 
     def run_pass(x: Tensor, col: int, tap: Any, skipped: int = 0) -> Tensor:
@@ -188,4 +187,4 @@ def recirculated_chunk(engine: "Runner", rc: Recirculation, idx: Tensor, start: 
 
     pad = cache.pad if rows is None else cache.pad[rows]                                      # (B,)
     out = schedule(run_pass, rc, engine.cfg, R, idx, start, pad, engine.mixer)
-    return ChunkResult(torch.cat(out, 1) if all_logits else out[-1], R)
+    return (torch.cat(out, 1) if all_logits else out[-1]), R

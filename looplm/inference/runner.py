@@ -38,9 +38,22 @@ from .contrast import check_contrast, contrast_logits
 from .kernels import PackedOps, rope_rows
 from .recirculation import Recirculation, recirculated_chunk
 from .sampler import SamplingParams, is_int, positions_run
-from .speculative import parse_speculative
 
-__all__ = ["ChunkResult", "GenerationConfig", "Runner"]
+__all__ = ["ChunkResult", "GenerationConfig", "Runner", "parse_speculative"]
+
+
+def parse_speculative(text: str, rounds: int) -> tuple[int | None, int]:
+    """"ROUNDS:K" -> (ROUNDS, K); "exit:K" -> (None, K): drafts stop by the exit policy."""
+    msg = (f"--speculative {text!r}: expected ROUNDS:K with 1 <= ROUNDS <= {rounds}, or exit:K (drafts stop by "
+           f"the --exit policy), and 1 <= K <= 32, e.g. 1:4")
+    a, sep, b = str(text).partition(":")
+    try:
+        d, k = (None if a.strip() == "exit" else int(a)), int(b)
+    except ValueError:
+        raise UserError(msg) from None
+    if not sep or (d is not None and not 1 <= d <= rounds) or not 1 <= k <= 32:
+        raise UserError(msg)
+    return d, k
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,8 +286,8 @@ class Runner:
         if rounds is not None or not commit or trace is not None or may_exit is not None or feedback or tops is not None \
                 or self.adaptive:
             raise ValueError("recirculation runs full-depth committed chunks (capabilities.py refuses the rest)")
-        return recirculated_chunk(self, rc, idx, start, cache, phase=phase, noise=noise, all_logits=all_logits,
-                                  rows=rows, work=work, work_phase=work_phase)
+        return ChunkResult(*recirculated_chunk(self, rc, idx, start, cache, phase=phase, noise=noise,
+                                               all_logits=all_logits, rows=rows, work=work, work_phase=work_phase))
 
     def chunk(self, idx: Tensor, start: int, cache: LoopKVCache, *, phase: str = "decode",
               rounds: int | None = None, noise: Tensor | None = None, all_logits: bool = False,

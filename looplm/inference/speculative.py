@@ -29,26 +29,11 @@ from torch import Tensor
 from .cache import LoopKVCache
 from ..model.flops import DecodeWork
 from ..model.recurrence import unroll
-from ..errors import UserError
 from .request import RequestState
 from .sampler import Sampler, SamplingParams, TokenEvent, token_logprobs
 
 if TYPE_CHECKING:
     from .runner import Runner
-
-
-def parse_speculative(text: str, rounds: int) -> tuple[int | None, int]:
-    """"ROUNDS:K" -> (ROUNDS, K); "exit:K" -> (None, K): drafts stop by the exit policy."""
-    msg = (f"--speculative {text!r}: expected ROUNDS:K with 1 <= ROUNDS <= {rounds}, or exit:K (drafts stop by "
-           f"the --exit policy), and 1 <= K <= 32, e.g. 1:4")
-    a, sep, b = str(text).partition(":")
-    try:
-        d, k = (None if a.strip() == "exit" else int(a)), int(b)
-    except ValueError:
-        raise UserError(msg) from None
-    if not sep or (d is not None and not 1 <= d <= rounds) or not 1 <= k <= 32:
-        raise UserError(msg)
-    return d, k
 
 
 class SpeculativeRun:
