@@ -414,6 +414,14 @@ class RowColumns:
         self.slot = None if rounds is None else (rounds - 1 if cache.per_round else torch.zeros_like(rounds))
         self.flat = None if rounds is None else self.slot * (cache.n_core * cache.batch) + rows
 
+    def subset(self, sel: Tensor) -> "RowColumns":
+        """These rows' view for a prelude or coda pass of the rows `sel` (M',): the masks sliced, not rebuilt."""
+        out = RowColumns.__new__(RowColumns)
+        out.c, out.rows, out.cols, out.rounds, out.E = self.c, self.rows[sel], self.cols[sel], None, self.E
+        out.mask = out.core_mask = self.mask[sel]
+        out.slot = out.flat = None
+        return out
+
     def attend(self, slot: tuple, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """`KVCache.attend` for one column per row: q, k, v (M, H, 1, Dh)."""
         c, rows, cols, E = self.c, self.rows, self.cols, self.E

@@ -281,7 +281,8 @@ class DepthBatch(DecodeBatch):
         e, ctl = self.engine, self.ctl
         k, m = e._fast or e.kernels(), e.model
         L = self.loop
-        s = k.core_step(L.s, L.e, L.rounds, L.rope, RowColumns(self.cache, L.rows, L.cols, L.rounds))  # (M, 1, d)
+        view = RowColumns(self.cache, L.rows, L.cols, L.rounds)           # every token at its own round and column
+        s = k.core_step(L.s, L.e, L.rounds, L.rope, view)                 # (M, 1, d)
         ran = L.rounds                                                     # (M,) the round each token just ran
         L = L.advanced(s)
         self.steps += 1
@@ -292,18 +293,17 @@ class DepthBatch(DecodeBatch):
             read = ctl.reads[ran]                                          # (M,) bool
             if bool(read.any()):
                 sel = read.nonzero().squeeze(1)
-                lg = k.readout(s[sel], rope_rows(L.rope, sel), RowColumns(self.cache, L.rows[sel], L.cols[sel]),
-                               0, False)                                   # (M', V)
+                lg = k.readout(s[sel], rope_rows(L.rope, sel), view.subset(sel), 0, False)       # (M', V)
                 logits = lg.new_zeros(len(L), lg.shape[-1]).index_copy_(0, sel, lg)
         stop = ctl.decide(ran, L.rows, hazard=hazard, logits=logits, read=read)    # each token at its own round
         if not bool(stop.any()):
             self.loop = L
             return []
-        events = self._leave(L, s, stop, ran)
+        events = self._leave(L, s, stop, ran, view)
         self.loop = L.keep(~stop)
         return events
 
-    def _leave(self, L: LoopState, s: Tensor, stop: Tensor, ran: Tensor) -> list[TokenEvent]:
+    def _leave(self, L: LoopState, s: Tensor, stop: Tensor, ran: Tensor, view: RowColumns) -> list[TokenEvent]:
         """Tokens that stopped: their exit-round readout, their cache entries closed, the next token sampled."""
         e, ctl = self.engine, self.ctl
         k = e._fast or e.kernels()
@@ -312,8 +312,7 @@ class DepthBatch(DecodeBatch):
         if ctl.read_rounds:                 # every exit round is a read round: the decision's readout
             logits = ctl.logits[L.rows[idx]]
         else:                               # fixed, quantile: read out now, once
-            logits = k.readout(s[idx], rope_rows(L.rope, idx), RowColumns(self.cache, L.rows[idx], L.cols[idx]),
-                               max(used), False)
+            logits = k.readout(s[idx], rope_rows(L.rope, idx), view.subset(idx), max(used), False)
         self.cache.finish_rows(rows, cols, used)
         reads = ctl.read_rounds
         for c, u in zip(cols, used):        # FLOPs of each token at its column (model/flops.py)
