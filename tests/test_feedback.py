@@ -434,7 +434,6 @@ def test_the_feedback_checks_fail_on_a_broken_implementation(monkeypatch):
     """Each check against its bug: no shift (token t reads its own state), a start convention that fuses
     everywhere, a trainer that drops the later passes' loss, a carried state shared between rows."""
 
-    import looplm.inference.batch as batch_mod
     import looplm.model.feedback as fbm
     import looplm.train.trainer as trainer
     from looplm import checks
@@ -457,12 +456,13 @@ def test_the_feedback_checks_fail_on_a_broken_implementation(monkeypatch):
         mp.setattr(trainer, "feedback_plan", lambda recipe, x, *a, **k: (1, None))
         assert not checks.check_feedback_loss(run).passed
     with monkeypatch.context() as mp:
-        real = batch_mod.DecodeBatch._feedback_inputs
+        from looplm.inference.paths.feedback import FeedbackPath
+        real = FeedbackPath.inputs
 
-        def shared(self, rows):   # every row reads the first row's carried state
-            h, plain = real(self, rows)
+        def shared(self, batch, rows):   # every row reads the first row's carried state
+            h, plain = real(self, batch, rows)
             return h[:1].expand_as(h), plain
-        mp.setattr(batch_mod.DecodeBatch, "_feedback_inputs", shared)
+        mp.setattr(FeedbackPath, "inputs", shared)
         assert not checks.check_feedback_isolation(run).passed
 
 

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 from ..model.looped import initial_noise_table
+from .paths import StatePath
+from .paths.feedback import FeedbackPath
 from .request import JoinProgress, RequestState
 from .sampler import Sampler, SamplingParams, TokenEvent, positions_run, token_logprobs
 
@@ -111,6 +113,8 @@ class DecodeBatch:
         engine.last_stats = self.stats
         self._prompt_tokens = sum(map(len, ids))
         self.work = engine.new_work()                        # every column computed: stats["flops"]
+        # the state path this batch's chunks go through (paths/): full-bandwidth feedback, or none
+        self.path: StatePath | None = FeedbackPath(engine) if engine.feedback else None
 
     @property
     def finished(self) -> bool:
@@ -203,8 +207,8 @@ class DecodeBatch:
         e = self.engine
         cache_rows = list(range(idx.shape[0])) if rows is None else rows.tolist()
         want = [(j, b) for j, b in enumerate(cache_rows) if self.requests[b].params.prompt_logprobs is not None]
-        if e.feedback:
-            logits, used = self._feedback_prompt(idx, start, rows, cache_rows, bool(want))
+        if self.path is not None:
+            logits, used = self.path.prompt(self, idx, start, rows, cache_rows, bool(want))
             if not want:
                 return (logits[:, -1] if logits.dim() == 3 else logits), used
         elif not (e.adaptive and e.policy.exit_in_prefill):
@@ -219,50 +223,6 @@ class DecodeBatch:
         if want:
             self._record_prompt(want, idx, start, logits)
         return logits[:, -1], used
-
-    def _feedback_prompt(self, idx: Tensor, start: int, rows: Tensor | None, cache_rows: list[int],
-                         scored: bool) -> tuple[Tensor, Tensor | int]:
-        """A feedback model's prompt chunk (model/feedback.py): pass 1 reads it plainly (standard and soft
-        rows end here); fused rows run a second pass whose inputs fuse pass 1's top states shifted by one
-        position, rewriting their cache entries. Each soft or fused row carries its last position's top
-        state into its first generated token. Returns (logits (rows, T, V), rounds)."""
-        from ..model.feedback import plain_positions, shift_states
-        e, dev = self.engine, idx.device
-        reqs = [self.requests[b] for b in cache_rows]
-        fused = [j for j, r in enumerate(reqs) if r.mode == "fused"]
-        tops: list[Tensor] = []
-        logits, used = e.run_chunk(idx, start, self.cache, phase="prefill", noise=self.noise, rows=rows,
-                                   all_logits=scored or bool(fused), work=self.work, tops=tops)
-        top = tops[-1]                                                          # (rows, T, d)
-        if fused:
-            sel = torch.tensor(fused, device=dev)
-            cache_sel = torch.tensor([cache_rows[j] for j in fused], device=dev)
-            x = idx[sel]
-            # plain: a row's first real column (left padding before it) and, with reset_at_eos, after an eos
-            first = (start + torch.arange(x.shape[1], device=dev)) <= self.cache.pad[cache_sel].unsqueeze(-1)
-            plain = plain_positions(x, self.eos, e.model.feedback_cfg.reset_at_eos) | first
-            again: list[Tensor] = []
-            lg2, _ = e.run_chunk(x, start, self.cache, phase="prefill", noise=self.noise, rows=cache_sel,
-                                 all_logits=True, work=self.work, feedback=(shift_states(top[sel]), plain),
-                                 tops=again)
-            logits, top = logits.clone(), top.clone()
-            logits[sel], top[sel] = lg2, again[-1]
-        reset = e.model.feedback_cfg.reset_at_eos
-        for j, req in enumerate(reqs):
-            req.carried = top[j, -1]
-            req.after_eos = reset and self.eos is not None and int(idx[j, -1]) == self.eos
-        return logits, used
-
-    def _feedback_inputs(self, rows: list[int]) -> tuple[Tensor, Tensor]:
-        """A decode step's feedback for `rows`: each row's carried top state (B', 1, d) and whether it reads
-        its plain embedding instead (B', 1): standard rows always, a row with nothing carried, and with
-        reset_at_eos the token after an end-of-text token."""
-        d, dev = self.engine.cfg.d_model, self.idx.device
-        zero = torch.zeros(d, device=dev, dtype=next(self.engine.model.parameters()).dtype)
-        reqs = [self.requests[b] for b in rows]
-        h = torch.stack([r.carried if r.carried is not None else zero for r in reqs]).unsqueeze(1)
-        plain = torch.tensor([[r.mode == "standard" or r.carried is None or r.after_eos] for r in reqs], device=dev)
-        return h, plain
 
     def _record_prompt(self, want: list[tuple[int, int]], idx: Tensor, start: int, logits: Tensor) -> None:
         """Prompt log-probabilities of this chunk's columns for the (chunk row j, cache row b)
@@ -356,28 +316,24 @@ class DecodeBatch:
         toks = torch.tensor([self.requests[b].token for b in rows], dtype=torch.long, device=dev)
         self.sampler.observe(toks, rows)
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        tops: list[Tensor] | None = [] if e.feedback else None
+        path = self.path
+        tops: list[Tensor] | None = [] if path is not None else None
         if len(rows) < self.B and (consecutive or 2 * len(rows) <= self.B):
             sel = torch.tensor(rows, device=dev)
             logits, used = e.run_chunk(toks.view(-1, 1), self.col, self.cache, noise=self.noise, rows=sel,
                                        work=self.work, tops=tops,
-                                       feedback=self._feedback_inputs(rows) if e.feedback else None)
+                                       feedback=path.inputs(self, rows) if path is not None else None)
             ran = rows
         else:
             every = torch.tensor([r.token for r in self.requests], dtype=torch.long, device=dev)
             ran = list(range(self.B))
             logits, used = e.run_chunk(every.view(-1, 1), self.col, self.cache, noise=self.noise, work=self.work,
-                                       tops=tops, feedback=self._feedback_inputs(ran) if e.feedback else None)
+                                       tops=tops, feedback=path.inputs(self, ran) if path is not None else None)
             if len(rows) < self.B:
                 logits = logits[rows]
                 used = used if isinstance(used, int) else used[rows]
-        if e.feedback:            # each row that ran carries this position's top state to its next token
-            reset = e.model.feedback_cfg.reset_at_eos
-            for j, b in enumerate(ran):
-                if b in rows:
-                    req = self.requests[b]
-                    req.carried = tops[-1][j, -1]
-                    req.after_eos = reset and self.eos is not None and req.token == self.eos
+        if path is not None:      # what the sampled rows carry to their next token
+            path.after(self, ran, rows, tops)
         self._sampled(logits, used, rows)
         self.col += 1
         self.row_steps += len(rows)

@@ -101,6 +101,7 @@ class DepthBatch(DecodeBatch):
         self.loop: LoopState | None = None    # the tokens in flight inside the loop
         self.entering: list[int] = []         # rows whose latest sampled token enters the loop at the next step
         self.work = engine.new_work()
+        self.path = None                      # no state path runs under depth batching (capabilities.py)
         self.started = True
         self.steps = 0                        # loop steps run
         self.row_rounds = 0                   # rounds computed, summed over the tokens that ran them
