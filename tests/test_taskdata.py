@@ -159,6 +159,14 @@ def test_training_on_a_task_reduces_answer_loss(tmp_path):
     assert set(report["task_accuracy"]) == {"1", "2"}
     assert all(0 <= a <= 1 for row in report["task_accuracy"].values() for a in row.values())
     assert "Task accuracy" in (tmp_path / "run" / "report.md").read_text()
+    # the chance verdict: each difficulty's accuracies tested against its examples' chance, the same accuracies
+    for d, row in report["task_chance"].items():
+        assert set(row["by_rounds"]) == set(report["task_accuracy"][d])
+        assert all(v["accuracy"] == report["task_accuracy"][d][r] for r, v in row["by_rounds"].items())
+        assert 0 < row["chance"] <= 1
+    assert report["task_learned"] == any(v["above_chance"] for row in report["task_chance"].values()
+                                         for v in row["by_rounds"].values())
+    assert "Chance: a guesser" in (tmp_path / "run" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("content, line, what", [

@@ -309,6 +309,8 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
             + ", ".join(f"{d}: {n}" for d, n in scores["examples"].items()) + f"); {trained}. "
             f"Prompt length: {'as in the file' if source.length is None else f'{source.length} items'}; mean prompt "
             f"tokens by difficulty: " + ", ".join(f"{d}: {n:.0f}" for d, n in lengths.items()) + ".")
+    from .chance import chance_by_difficulty, chance_markdown
+    chance = chance_by_difficulty(eval_sets, acc)          # is each accuracy above what guessing gets?
     report = {
         "val": {r: {"loss": v["loss"]} for r, v in overall.items()},
         "val_accuracy_by_rounds": {str(r): v["accuracy"] for r, v in overall.items()},
@@ -318,7 +320,12 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
         "prompt_length_items": source.length,
         "prompt_tokens_by_difficulty": {str(d): n for d, n in lengths.items()},
         "train_data_tokens": source.train_token_count() or sampler.unique_tokens(),
-        "sections": [{"title": "Task accuracy by difficulty x rounds", "markdown": note + "\n\n" + markdown_table(acc)}],
+        "task_chance": {str(d): {"chance": row["chance"], "examples": row["examples"],
+                                 "by_rounds": {str(r): v for r, v in row["by_rounds"].items()}}
+                        for d, row in chance.items()},
+        "task_learned": any(v["above_chance"] for row in chance.values() for v in row["by_rounds"].values()),
+        "sections": [{"title": "Task accuracy by difficulty x rounds", "markdown": note + "\n\n" + markdown_table(acc)
+                      + "\n\n" + chance_markdown(chance)}],
     }
     if recipe.data.depth_by_difficulty:  # the recipe card's depth/supervision lines are overridden
         report["sections"].insert(0, {"title": "Depth by difficulty", "markdown": (
