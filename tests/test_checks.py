@@ -25,10 +25,10 @@ NOT_APPLICABLE_WITHOUT_FEEDBACK = {"feedback_shift_by_one", "feedback_start_conv
                                    "feedback_pass_loss_composition", "feedback_request_isolation",
                                    "feedback_batch_reorder"}
 NOT_APPLICABLE_WITHOUT_GATE = {"exit_masses_conserved", "quantile_exit_matches_cumulative_mass",
-                               "routed_decode_matches_training", *NOT_APPLICABLE_WITHOUT_FEEDBACK}
+                               "routed_decode_matches_training", "task_above_chance", *NOT_APPLICABLE_WITHOUT_FEEDBACK}
 RECORD_CHECKS = {"round_telemetry_present"}  # every other check that runs measures
 NOT_APPLICABLE_UNTIED = {"exit_masses_conserved", "looped_equals_untied_copies", "state_stable_past_training_depth",
-                         "quantile_exit_matches_cumulative_mass", "routed_decode_matches_training",
+                         "quantile_exit_matches_cumulative_mass", "routed_decode_matches_training", "task_above_chance",
                          *NOT_APPLICABLE_WITHOUT_FEEDBACK}
 
 
@@ -394,3 +394,24 @@ def test_exit_masses_against_the_hand_recurrence(monkeypatch):
         assert torch.allclose(wrong(h).sum(-1), torch.ones(())) and (wrong(h) >= 0).all()
         broken = check_exit_masses(run)
         assert broken.status == "fail", broken.detail
+
+
+def test_a_task_run_at_chance_fails_the_chance_check_and_a_perfect_one_passes(monkeypatch):
+    """task_above_chance: an untrained task model guesses (fails, saying it learned nothing); the same model with
+    its evaluation replaced by perfect answers passes; a language-model run: not applicable."""
+    from looplm.checks.tasks import check_task_above_chance
+    from looplm.data.tokenizer import ByteTokenizer
+    import looplm.evaluation.tasks as tasks_mod
+    rec = tiny_recipe(**{"data.task": "chain", "data.difficulty_max": 2, "data.eval_examples": 60})
+    torch.manual_seed(0)
+    run = Run(path=None, recipe=rec, model=build_model(rec).eval(), tokenizer=ByteTokenizer(), report={})
+    got = check_task_above_chance(run)
+    assert got.passed is False and "LEARNED NOTHING MEASURABLE" in got.detail and got.kind == "measured"
+    real = tasks_mod.score_task_sets
+
+    def perfect(model, tok, sets, rounds, **k):
+        out = real(model, tok, sets, rounds, **k)
+        return {**out, "by_difficulty": {d: {r: {"accuracy": 1.0, "loss": 0.0} for r in rounds} for d in sets}}
+    monkeypatch.setattr(tasks_mod, "score_task_sets", perfect)
+    assert check_task_above_chance(run).passed is True
+    assert check_task_above_chance(untrained_run()).passed is None

@@ -39,6 +39,7 @@ from .feedback import (check_feedback_isolation, check_feedback_loss, check_feed
 from .recirculation import (check_recirculation_cache_refresh, check_recirculation_no_cross_token_leak,
                             check_recirculation_norm_clamp, check_recirculation_readout_boundary,
                             check_recirculation_resume, check_recirculation_visit_indexing)
+from .tasks import check_task_above_chance
 
 CHECKS: list[Callable[[Run], CheckResult]] = [
     check_causality, check_shared_parameters, check_untied_parity, check_state_stability,
@@ -48,7 +49,7 @@ CHECKS: list[Callable[[Run], CheckResult]] = [
     check_feedback_shift, check_feedback_start, check_feedback_loss, check_feedback_isolation,
     check_feedback_reorder, check_recirculation_visit_indexing, check_recirculation_norm_clamp,
     check_recirculation_cache_refresh, check_recirculation_readout_boundary, check_recirculation_no_cross_token_leak,
-    check_recirculation_resume,
+    check_recirculation_resume, check_task_above_chance,
 ]
 
 
