@@ -212,3 +212,17 @@ def test_a_threshold_at_the_guessing_level_is_refused_before_training(tmp_path):
     code, _, stderr = run_cli("--seeds", "0", "--out", str(tmp_path / "g"), "--lookup-threshold", "0.1")
     assert code == 2 and "guessing" in stderr and "difficulty 2" in stderr
     assert not (tmp_path / "g" / "looped").exists()
+
+
+def test_each_seeds_verdict_says_whether_its_lookup_cell_is_above_chance():
+    """A seed whose looped accuracy in the lookup cell is not above the chance its prompts allow is named."""
+    results = constructed()
+    for s, above in ((0, True), (1, False), (2, True)):
+        results[s]["chance"] = {"looped": {"2": {"chance": 0.25, "above_chance": {"2": above}, "p_value": {"2": 0.5}}}}
+    agg = ex.aggregate_seeds(results, 0.9)
+    lk = agg["lookup"]
+    assert lk["at_chance_seeds"] == [1]
+    assert lk["per_seed"]["1"]["above_chance"] is False and lk["per_seed"]["1"]["chance"] == 0.25
+    assert "at chance in that cell" in ex.lookup_line({"seeds": agg})
+    one = ex.lookup_verdict(results[1], 0.9)
+    assert one["above_chance"] is False and "NOT above" in ex.lookup_line({"lookup": one})

@@ -347,6 +347,14 @@ class SeedPlan:
                     for n, t in tables.items()}
         loss = {n: {str(dd): {str(r): v["loss"] for r, v in row.items()} for dd, row in t.items()}
                 for n, t in tables.items()}
+        # each model's accuracies against the chance its answers and prompts allow (evaluation/chance.py)
+        from ..evaluation.chance import chance_by_difficulty
+        chance = {n: {str(dd): {"chance": row["chance"],
+                                "above_chance": {str(r): v["above_chance"] for r, v in row["by_rounds"].items()},
+                                "p_value": {str(r): v["p_value"] for r, v in row["by_rounds"].items()}}
+                      for dd, row in chance_by_difficulty(
+                          eval_sets, {dd: {r: v["accuracy"] for r, v in row.items()} for dd, row in t.items()}).items()}
+                  for n, t in tables.items()}
 
         probes: dict[str, Any] = {}
         if d.probe_examples:
@@ -369,6 +377,7 @@ class SeedPlan:
             "eval_examples_per_difficulty": {str(k): len(v) for k, v in eval_sets.items()},
             "digit_guess_baseline": self.guess,
             "models": accuracy,
+            "chance": chance,
             "answer_loss": loss,
             "model_info": info,
             "probes": probes,
@@ -449,8 +458,11 @@ def lookup_verdict(result: dict[str, Any], threshold: float = LOOKUP_THRESHOLD) 
     dd = result["train_difficulty_max"]
     r = min(result["train_rounds"]["max"], result["eval_rounds_max"])
     acc = result["models"]["looped"][str(dd)][str(r)]
+    cell = (result.get("chance") or {}).get("looped", {}).get(str(dd))
     return {"model": "looped", "difficulty": dd, "rounds": r, "threshold": threshold, "accuracy": acc,
-            "digit_guess": (result.get("digit_guess_baseline") or {}).get(str(dd)), "formed": acc >= threshold}
+            "digit_guess": (result.get("digit_guess_baseline") or {}).get(str(dd)), "formed": acc >= threshold,
+            "chance": None if cell is None else cell["chance"],
+            "above_chance": None if cell is None else cell["above_chance"][str(r)]}
 
 
 def check_lookup_criterion(threshold: float, guess: dict[str, float] | None, difficulty: int,
@@ -494,8 +506,10 @@ def aggregate_seeds(per_seed: dict[int, dict[str, Any]], threshold: float = LOOK
     verdicts = {s: lookup_verdict(per_seed[s], threshold) for s in seeds}
     lookup = {k: verdicts[seeds[0]][k] for k in ("model", "difficulty", "rounds", "threshold")}
     lookup.update(criterion=criterion_text(lookup),
-                  per_seed={str(s): {k: v[k] for k in ("accuracy", "digit_guess", "formed")}
+                  per_seed={str(s): {k: v[k] for k in ("accuracy", "digit_guess", "formed", "chance", "above_chance")
+                                     if k in v and (v[k] is not None or k not in ("chance", "above_chance"))}
                             for s, v in verdicts.items()},
+                  at_chance_seeds=[s for s in seeds if verdicts[s].get("above_chance") is False],
                   formed=sum(v["formed"] for v in verdicts.values()), of=len(seeds),
                   failed_seeds=[s for s in seeds if not verdicts[s]["formed"]])
     return {"seeds": seeds,
@@ -600,13 +614,18 @@ def lookup_line(result: dict[str, Any]) -> str | None:
     if "seeds" in result:
         lk = result["seeds"]["lookup"]
         failed = lk["failed_seeds"]
+        at_chance = lk.get("at_chance_seeds") or []
         return (f"{lk['formed']} of {lk['of']} seeds formed the lookup ({lk['criterion']})"
-                + (f"; failed: {_seed_list(failed)} (counted, and kept in every mean)" if failed else ""))
+                + (f"; failed: {_seed_list(failed)} (counted, and kept in every mean)" if failed else "")
+                + (f"; at chance in that cell (learned nothing measurable there): {_seed_list(at_chance)}"
+                   if at_chance else ""))
     lk = result.get("lookup")
     if lk is None:
         return None
     return (f"the lookup {'formed' if lk['formed'] else 'did not form'}: {100 * lk['accuracy']:.1f}% "
-            f"(criterion: {criterion_text(lk)})")
+            f"(criterion: {criterion_text(lk)})"
+            + (f"; chance {100 * lk['chance']:.0f}%: {'above' if lk['above_chance'] else 'NOT above'} it"
+               if lk.get("chance") is not None else ""))
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
