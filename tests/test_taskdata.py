@@ -191,6 +191,20 @@ def test_jsonl_prompt_longer_than_the_context_names_the_line(tmp_path, capsys):
     assert code == 2 and "line 4" in err and "model.context" in err
 
 
+def test_of_several_lines_over_the_context_the_longest_is_named_with_the_context_that_fits(tmp_path, capsys):
+    rows = [{"prompt": "z" * 300, "answer": "b"}, {"prompt": "a", "answer": "b"}, {"prompt": "y" * 400, "answer": "bc"},
+            {"prompt": "x" * 350, "answer": "b"}]
+    path = write_jsonl(tmp_path / "long.jsonl", rows)
+    code = main(["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}",
+                 "--set", "model.context=256"])
+    err = capsys.readouterr().err
+    assert code == 2 and "line 3" in err and "3 line(s)" in err and len(err.strip().splitlines()) == 1
+    # the context it names fits the longest line: its 400 prompt bytes and 2 answer bytes at least, and is no
+    # larger than that plus the separator's and the answer end's few bytes
+    need = int(err.split("--set model.context=")[1].split(")")[0])
+    assert 400 + 2 - 1 <= need <= 400 + 2 + 4
+
+
 def test_warmup_then_length_ramp():
     recipe = task_recipe(**{"data.difficulty_max": 3, "data.task_length": 10, "data.train_length_min": 2,
                             "data.warmup_steps": 10, "data.curriculum": 0.5, "data.length_curriculum": 0.5,

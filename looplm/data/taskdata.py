@@ -412,8 +412,19 @@ def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> li
         raise UserError(f"{path}, line {bare.meta['line']}: no \"difficulty\", but line {given[0].meta['line']} "
                         f"has one; give every line a \"difficulty\" or none")
     tok = ByteTokenizer()  # task recipes are byte-tokenized (config.DataConfig)
+    context = recipe.model.context
+    lengths = []                                   # each line's prompt + answer in tokens, as training encodes it
     for ex in examples:
-        b = encode_examples(tok, [ex], recipe.model.context, recipe.data.separator)
+        prompt, answer = format_for_training(ex, recipe.data.separator)
+        lengths.append(len(answer_mask(tok.encode(prompt), tok.encode(answer))[0]))
+    over = [(n, ex) for n, ex in zip(lengths, examples) if n - 1 > context]
+    if over:                                       # name the longest line, and the context that fits every line
+        n, ex = max(over, key=lambda t: t[0])
+        raise UserError(f"{_where(ex)}: prompt + answer is {n} tokens, the longest of {len(over)} line(s) over "
+                        f"model.context + 1 = {context + 1}; raise model.context to at least {n - 1} "
+                        f"(--set model.context={n - 1}) or shorten them")
+    for ex in examples:
+        b = encode_examples(tok, [ex], context, recipe.data.separator)
         if traces:
             round_targets(tok, [ex], b, recipe.data.task)
     return examples
