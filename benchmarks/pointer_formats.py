@@ -1,0 +1,119 @@
+"""Pointer-chase JSONL files in surface forms drawn at random, so that a change to the extrapolation recipe is
+tried on formats no one tuned it for (issue 42).
+
+    python benchmarks/pointer_formats.py --seed 3 --out formats/ [--count 5] [--train 60000] [--eval 800]
+    python benchmarks/pointer_formats.py --describe --seed 3
+
+A format (`draw_format(seed)`) fixes every surface choice at random:
+- names: single lowercase or uppercase letters, two-letter names, or words (several tokens each);
+- values (answers): digits, letters of another case, or colour words;
+- the link template: "a>b", "a -> b", "a points to b.", "set a to b;", "(b<a)", "a: b";
+- the separator between links;
+- the query: "?a=", "follow a", "Where does a lead?", "a => ?";
+- the distractors: disjoint chains or trees hanging off the queried chain upstream of the query;
+- fixed-length prompts (every prompt padded to `length` links) or lengths that vary with the draw.
+
+A line: {"prompt", "answer", "difficulty" (hops), "trace" (the names reached after each hop but the last)}.
+Training lines have 1..4 hops, held-out lines 1..8. tests/test_pointer_formats.py reads each answer off its
+prompt with a parser of its own, built from the format's templates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+NAMES = {"lower": list(string.ascii_lowercase), "upper": list(string.ascii_uppercase),
+         "pairs": [a + b for a in "bcdfghjklm" for b in "aeiou"],
+         "words": ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "ember", "lotus", "raven", "cedar",
+                   "amber", "delta", "orbit", "quartz", "sable", "tundra", "willow", "zephyr", "harbor"]}
+VALUES = {"digits": list("0123456789"), "letters": list("PQRSTUVWXY"),
+          "colours": ["red", "blue", "green", "gold", "grey", "pink", "teal", "navy"]}
+LINKS = ["{a}>{b}", "{a} -> {b}", "{a} points to {b}.", "set {a} to {b};", "({b}<{a})", "{a}: {b}"]
+SEPARATORS = [" ", " | ", "\n", ", "]
+QUERIES = ["?{a}=", "follow {a}", "Where does {a} lead?", "{a} => ?"]
+
+
+@dataclass(frozen=True)
+class Format:
+    names: str
+    values: str
+    link: str
+    separator: str
+    query: str
+    distractors: str          # "chains" | "trees"
+    length: int               # links per prompt (fixed) or the most (varying)
+    fixed: bool
+
+
+def draw_format(seed: int) -> Format:
+    """Every surface choice drawn from `seed` (values never overlap names: the answer set is the values)."""
+    g = random.Random(seed)
+    names, values = g.choice(list(NAMES)), g.choice(list(VALUES))
+    if names == "upper" and values == "letters":
+        values = "digits"
+    link, query = g.choice(LINKS), g.choice(QUERIES)
+    # a separator that occurs in neither template, so that a reader can split a prompt into its statements
+    separator = g.choice([sep for sep in SEPARATORS if sep not in link and sep not in query])
+    return Format(names=names, values=values, link=link, separator=separator, query=query,
+                  distractors=g.choice(["chains", "trees"]), length=g.choice([10, 12, 16]), fixed=g.random() < 0.5)
+
+
+def make_line(fmt: Format, hops: int, g: random.Random) -> dict:
+    """One example: a chain of `hops` links ending in a value, distractor links, shuffled, then the query."""
+    pool = NAMES[fmt.names][:]
+    g.shuffle(pool)
+    chain = [pool.pop() for _ in range(hops)]                      # chain[0] -> chain[1] -> ... -> value
+    answer = g.choice(VALUES[fmt.values])
+    links = [(chain[i], chain[i + 1]) for i in range(hops - 1)] + [(chain[-1], answer)]
+    total = fmt.length if fmt.fixed else g.randint(hops, max(hops, fmt.length))
+    while len(links) < total and pool:
+        src = pool.pop()
+        if fmt.distractors == "trees" and hops > 1 and g.random() < 0.5:
+            links.append((src, chain[g.randrange(0, hops)]))         # into the queried chain, never from it
+        elif len(links) + 2 <= total and pool:
+            mid = pool.pop()                                         # a disjoint chain of two links
+            links += [(src, mid), (mid, g.choice(VALUES[fmt.values]))]
+        else:
+            links.append((src, g.choice(VALUES[fmt.values])))
+    g.shuffle(links)
+    prompt = fmt.separator.join(fmt.link.format(a=a, b=b) for a, b in links) + fmt.separator + \
+        fmt.query.format(a=chain[0])
+    return {"prompt": prompt, "answer": answer, "difficulty": hops, "trace": chain[1:]}
+
+
+def write(fmt: Format, path: Path, lines: int, hops: range, seed: int) -> None:
+    g = random.Random(seed)
+    path.write_text("".join(json.dumps(make_line(fmt, g.choice(list(hops)), g)) + "\n" for _ in range(lines)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=1, help="formats, seeds seed..seed+count-1")
+    ap.add_argument("--out", default="formats")
+    ap.add_argument("--train", type=int, default=60000)
+    ap.add_argument("--eval", type=int, default=800)
+    ap.add_argument("--describe", action="store_true")
+    a = ap.parse_args()
+    for s in range(a.seed, a.seed + a.count):
+        fmt = draw_format(s)
+        if a.describe:
+            print(s, json.dumps(asdict(fmt)), "\n  ", make_line(fmt, 3, random.Random(s))["prompt"][:200])
+            continue
+        out = Path(a.out) / f"format{s}"
+        out.mkdir(parents=True, exist_ok=True)
+        write(fmt, out / "train.jsonl", a.train, range(1, 5), s)
+        write(fmt, out / "eval.jsonl", a.eval, range(1, 9), s + 10_000)
+        (out / "format.json").write_text(json.dumps(asdict(fmt), indent=1) + "\n")
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""benchmarks/pointer_formats.py: every drawn format's lines are well-formed and solvable; an independent reader
+built from the format's templates reads each answer off its prompt."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pointer_formats as pf  # noqa: E402
+
+
+def read_answer(fmt: pf.Format, prompt: str) -> tuple[str, int, list[str]]:
+    """(answer, hops, names passed) by parsing the prompt: statements split at the separator, each matched
+    against the link template, then followed from the queried name."""
+    *statements, query = prompt.split(fmt.separator)
+    q = re.fullmatch(re.escape(fmt.query).replace(re.escape("{a}"), r"(\w+)"), query)
+    link = re.escape(fmt.link).replace(re.escape("{a}"), r"(?P<a>\w+)").replace(re.escape("{b}"), r"(?P<b>\w+)")
+    edges: dict[str, str] = {}
+    for st in statements:
+        m = re.fullmatch(link, st)
+        assert m, (fmt, st)
+        assert m.group("a") not in edges, "a name points twice"
+        edges[m.group("a")] = m.group("b")
+    node, path = q.group(1), []
+    while node in edges:
+        path.append(node)
+        node = edges[node]
+    return node, len(path), path[1:]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_every_line_is_well_formed_and_solvable(seed):
+    fmt = pf.draw_format(seed)
+    g = random.Random(seed)
+    for hops in list(range(1, 9)) * 4:
+        line = json.loads(json.dumps(pf.make_line(fmt, hops, g)))
+        assert set(line) == {"prompt", "answer", "difficulty", "trace"}
+        answer, n, passed = read_answer(fmt, line["prompt"])
+        assert (answer, n, passed) == (line["answer"], hops, line["trace"]) == (answer, line["difficulty"], passed)
+        assert answer in pf.VALUES[fmt.values]
+        statements = len(line["prompt"].split(fmt.separator)) - 1
+        assert statements == max(hops, fmt.length) if fmt.fixed else hops <= statements <= max(hops, fmt.length)
+
+
+def test_the_draws_cover_the_surface_choices():
+    fmts = [pf.draw_format(s) for s in range(200)]
+    for field, choices in (("names", pf.NAMES), ("values", pf.VALUES), ("link", pf.LINKS), ("query", pf.QUERIES)):
+        assert {getattr(f, field) for f in fmts} == set(choices), field
+    assert {f.fixed for f in fmts} == {True, False} and {f.distractors for f in fmts} == {"chains", "trees"}
