@@ -9,8 +9,11 @@ it, so every path stops a token at the same round. Mixture-of-Recursions routers
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+
+from typing import Any
 
 import torch
 
@@ -113,6 +116,13 @@ def successive_kl(logits: torch.Tensor, prev_logits: torch.Tensor) -> torch.Tens
     return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(dim=-1).clamp_min(0)
 
 
+@functools.lru_cache(maxsize=64)
+def _round_table(rounds: int, members: frozenset[int], device: Any) -> torch.Tensor:
+    """(R+1,) bool: which rounds are members, a lookup by round. Cached (read-only): the engine makes a
+    controller per decode step, and these tables are the same every step."""
+    return torch.tensor([x in members for x in range(rounds + 1)], device=device)
+
+
 class ExitController:
     """The one early-exit decision: the per-token stop state of one pass of up to R rounds.
 
@@ -150,13 +160,13 @@ class ExitController:
             decide.discard(1)                                    # nothing to compare with at round 1
         self.decide_rounds = frozenset(decide)
         """Rounds before R after which the policy may stop a token."""
-        self._open = torch.tensor([x in decide for x in range(rounds + 1)], device=device)    # (R+1,) lookup
+        self._open = _round_table(rounds, self.decide_rounds, device)                      # (R+1,) lookup
         reads: set[int] = set()
         if policy.kind in ("entropy", "kl"):
             reads = decide | {rounds} | ({r - 1 for r in decide} if policy.kind == "kl" else set())
         self.read_rounds = frozenset(reads)
         """Rounds after which active tokens need a readout for the decision (entropy/kl; always R)."""
-        self.reads = torch.tensor([x in reads for x in range(rounds + 1)], device=device)
+        self.reads = _round_table(rounds, self.read_rounds, device)
         """(R+1,) bool: `read_rounds` as a lookup by round (tokens at different rounds at once)."""
         self.needs_hazard = policy.kind == "quantile"
         """Whether `decide` needs the gate's hazard of every active token each round."""

@@ -122,6 +122,14 @@ def _exit(d: Decode) -> str:
 
 _FB_FIXED = lambda d: (f"--exit {_exit(d)}: a feedback model decodes at a fixed depth for now (the top state "  # noqa: E731
                        "it carries is the last round's)")
+_SPEC = ("speculative", "speculative_exit")        # both kinds of drafts: refused alike
+
+
+def _each(a: str, bs: tuple[str, ...], message: str) -> tuple[Rule, ...]:
+    """`a` refused beside each of `bs`, with one message."""
+    return tuple(Rule(a, b, message) for b in bs)
+
+
 _RC = "recirculation: not available with "
 _CT = "--contrast: not available with "
 _DB = "--batching depth: not available with "
@@ -135,14 +143,10 @@ RULES: tuple[Rule, ...] = (
                                           "(exit.gate)", brief="a model with an exit gate"),
     # a Mixture-of-Recursions router decides every token's depth
     Rule("mor", "early_exit", lambda d: routed_depth(d.rounds)),
-    Rule("mor", "speculative", "--speculative: not available for a Mixture-of-Recursions model (drafts at a fixed "
-                               "depth are not the routed function)"),
-    Rule("mor", "speculative_exit", "--speculative: not available for a Mixture-of-Recursions model (drafts at a "
-                                    "fixed depth are not the routed function)"),
-    Rule("kv_sharing", "speculative", "--speculative: not available for a model trained with model.kv_sharing = "
-                                      "first (its verification would need the full per-round cache)"),
-    Rule("kv_sharing", "speculative_exit", "--speculative: not available for a model trained with model.kv_sharing "
-                                           "= first (its verification would need the full per-round cache)"),
+    *_each("mor", _SPEC, "--speculative: not available for a Mixture-of-Recursions model (drafts at a fixed depth "
+                         "are not the routed function)"),
+    *_each("kv_sharing", _SPEC, "--speculative: not available for a model trained with model.kv_sharing = first (its "
+                                "verification would need the full per-round cache)"),
     # speculation: drafts verified at full depth against plain decoding
     Rule("speculative", "early_exit", lambda d: "--speculative verifies at full depth; drafts of a fixed ROUNDS "
          f"cannot be combined with the early-exit policy {_exit(d)} (from --exit or the recipe's exit.policy); pass "
@@ -150,45 +154,34 @@ RULES: tuple[Rule, ...] = (
     Rule("speculative_exit", None, lambda d: f"--speculative {d.config.speculative}: exit drafts stop by an early-exit "
          "policy; pass --exit entropy:TAU, kl:EPS or quantile:Q (the output stays full-depth)"
          if d.policy not in ("entropy", "kl", "quantile") else "", brief="an early-exit policy"),
-    Rule("speculative", "decode_cache", "--speculative needs --decode-cache full (verification must reproduce plain "
-                                        "decoding)"),
-    Rule("speculative_exit", "decode_cache", "--speculative needs --decode-cache full (verification must reproduce "
-                                             "plain decoding)"),
+    *(Rule(a, "decode_cache", "--speculative needs --decode-cache full (verification must reproduce plain decoding)")
+      for a in _SPEC),
     # full-bandwidth feedback carries the final round's top state
     Rule("feedback", "early_exit", _FB_FIXED),
     Rule("feedback", "exit_in_prefill", _FB_FIXED),
     Rule("feedback", "mor", "full-bandwidth feedback decodes at a fixed depth for now (the top state it carries is the "
                             "last round's); a Mixture-of-Recursions router decides each token's depth"),
-    Rule("feedback", "speculative", "--speculative: not available for a feedback model yet (its carried state would "
-                                    "have to roll back with the cache)"),
-    Rule("feedback", "speculative_exit", "--speculative: not available for a feedback model yet (its carried state "
-                                         "would have to roll back with the cache)"),
+    *_each("feedback", _SPEC, "--speculative: not available for a feedback model yet (its carried state would have "
+                              "to roll back with the cache)"),
     # recirculation: every position runs every visit once per pass, each visit's entries in a slot of its own
     Rule("recirculation", "early_exit", _RC + "an early-exit policy (visits would differ per token)"),
     Rule("recirculation", "exit_in_prefill", _RC + "an early-exit policy (visits would differ per token)"),
     Rule("recirculation", "mor", _RC + "a Mixture-of-Recursions router"),
     Rule("recirculation", "feedback", _RC + "full-bandwidth feedback"),
-    Rule("recirculation", "speculative", _RC + "--speculative"),
-    Rule("recirculation", "speculative_exit", _RC + "--speculative"),
-    Rule("recirculation", "prefill_cache", _RC + "a shared cache policy (each visit's refined entries need their own "
-                                                 "slot: --prefill-cache full --decode-cache full)"),
-    Rule("recirculation", "decode_cache", _RC + "a shared cache policy (each visit's refined entries need their own "
-                                                "slot: --prefill-cache full --decode-cache full)"),
-    Rule("recirculation", "kv_sharing", _RC + "a shared cache policy (each visit's refined entries need their own "
-                                              "slot: --prefill-cache full --decode-cache full)"),
+    *_each("recirculation", _SPEC, _RC + "--speculative"),
+    *_each("recirculation", ("prefill_cache", "decode_cache", "kv_sharing"),
+           _RC + "a shared cache policy (each visit's refined entries need their own slot: --prefill-cache full "
+                 "--decode-cache full)"),
     # contrastive decoding: a final round R for every token and one earlier round r, plain logits otherwise
     Rule("contrast", "mor", _CT + "a Mixture-of-Recursions router (each token's final round is its own)"),
     Rule("contrast", "early_exit", lambda d: _CT + f"the early-exit policy {_exit(d)} (a token that exits has no "
                                                    "final round R to contrast; pass --exit fixed)"),
-    Rule("contrast", "speculative", _CT + "--speculative (its drafts and their verification read plain logits)"),
-    Rule("contrast", "speculative_exit", _CT + "--speculative (its drafts and their verification read plain logits)"),
+    *_each("contrast", _SPEC, _CT + "--speculative (its drafts and their verification read plain logits)"),
     Rule("contrast", "recirculation", _CT + "recirculation (its refined passes read out the plain logits)"),
     Rule("contrast", "feedback", _CT + "full-bandwidth feedback (its carried top state is the final round's plain "
                                        "readout)"),
     # continuous depth batching: one step mixes rounds of one tied block, one column per token
-    Rule("depth_batching", "speculative", _DB + "--speculative (drafts and verification are chunks of one request)"),
-    Rule("depth_batching", "speculative_exit", _DB + "--speculative (drafts and verification are chunks of one "
-                                                     "request)"),
+    *_each("depth_batching", _SPEC, _DB + "--speculative (drafts and verification are chunks of one request)"),
     Rule("depth_batching", "recirculation", _DB + "recirculation (its passes rerun every visit of a position)"),
     Rule("depth_batching", "contrast", _DB + "--contrast (it reads out two rounds of every token)"),
     Rule("depth_batching", "feedback", _DB + "full-bandwidth feedback (its tokens carry the last round's top state "
