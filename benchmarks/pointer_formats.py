@@ -3,6 +3,14 @@ tried on formats no one tuned it for (issue 42).
 
     python benchmarks/pointer_formats.py --seed 3 --out formats/ [--count 5] [--train 60000] [--eval 800]
     python benchmarks/pointer_formats.py --describe --seed 3
+    python benchmarks/pointer_formats.py --issue --out formats/         # the issue's own file (below)
+    python benchmarks/pointer_formats.py --seed 3 --run [--seeds 0,1,2] [--set key=value ...]
+
+`--issue` writes the format a user tried (issue 42): "k>p p>w w>3 ?k=", single lowercase names, digit
+values, disjoint distractor chains padding every prompt to 10 links. `--run` writes the format's
+task.jsonl (training lines 1..4 hops, held-out lines 5..8 hops in one file) and runs
+`looplm experiment extrapolate --recipe extrapolate --set data.task=task.jsonl` on it with the recipe as
+it is plus `--set` overrides, printing the per-seed verdicts and the wall time.
 
 A format (`draw_format(seed)`) fixes every surface choice at random:
 - names: single lowercase or uppercase letters, two-letter names, or words (several tokens each);
@@ -64,6 +72,10 @@ def draw_format(seed: int) -> Format:
                   distractors=g.choice(["chains", "trees"]), length=g.choice([10, 12, 16]), fixed=g.random() < 0.5)
 
 
+ISSUE = Format(names="lower", values="digits", link="{a}>{b}", separator=" ", query="?{a}=",
+               distractors="chains", length=10, fixed=True)
+
+
 def make_line(fmt: Format, hops: int, g: random.Random) -> dict:
     """One example: a chain of `hops` links ending in a value, distractor links, shuffled, then the query."""
     pool = NAMES[fmt.names][:]
@@ -100,18 +112,50 @@ def main() -> int:
     ap.add_argument("--train", type=int, default=60000)
     ap.add_argument("--eval", type=int, default=800)
     ap.add_argument("--describe", action="store_true")
+    ap.add_argument("--issue", action="store_true", help="the issue's format instead of a drawn one")
+    ap.add_argument("--run", action="store_true", help="run the extrapolation experiment on the format")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args()
+    if a.run:
+        return run(ISSUE if a.issue else draw_format(a.seed), a)
     for s in range(a.seed, a.seed + a.count):
-        fmt = draw_format(s)
+        fmt = ISSUE if a.issue else draw_format(s)
         if a.describe:
             print(s, json.dumps(asdict(fmt)), "\n  ", make_line(fmt, 3, random.Random(s))["prompt"][:200])
             continue
-        out = Path(a.out) / f"format{s}"
+        out = Path(a.out) / ("issue" if a.issue else f"format{s}")
         out.mkdir(parents=True, exist_ok=True)
         write(fmt, out / "train.jsonl", a.train, range(1, 5), s)
         write(fmt, out / "eval.jsonl", a.eval, range(1, 9), s + 10_000)
         (out / "format.json").write_text(json.dumps(asdict(fmt), indent=1) + "\n")
         print(out)
+        if a.issue:
+            break
+    return 0
+
+
+def run(fmt: Format, a: argparse.Namespace) -> int:
+    """The extrapolation experiment on one format: task.jsonl holds training and held-out lines."""
+    import time
+
+    from looplm.experiments.extrapolate import run_extrapolate, summary_lines
+    from looplm.recipe.config import load_recipe, parse_override
+
+    out = Path(a.out) / ("issue" if a.issue else f"format{a.seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    g = random.Random(a.seed)
+    lines = [make_line(fmt, g.choice(range(1, 5)), g) for _ in range(a.train)]
+    lines += [make_line(fmt, g.choice(range(5, 9)), g) for _ in range(a.eval)]
+    data = out / "task.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (out / "format.json").write_text(json.dumps(asdict(fmt), indent=1) + "\n")
+    overrides = {"data.task": str(data), **dict(parse_override(s) for s in a.set)}
+    recipe = load_recipe("extrapolate", overrides)
+    t0 = time.perf_counter()
+    result = run_extrapolate(recipe, out, seeds=[int(s) for s in a.seeds.split(",")])
+    print("\n".join(summary_lines(result)))
+    print(f"wall time {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
     return 0
 
 

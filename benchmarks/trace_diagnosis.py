@@ -35,7 +35,7 @@ def trace_rounds(run, D: int, n: int) -> dict:
     m, tok, rec = run.model, run.tokenizer, run.recipe
     ex = TaskSource(rec).eval_sets(n, levels=[D])[D]
     b = encode_examples(tok, ex, rec.model.context, rec.data.separator)
-    rt = round_targets(tok, ex, b, rec.data.task)
+    rt = round_targets(tok, ex, b, rec.data.task, rec.model.vocab_size)
     B, rows = len(ex), torch.arange(len(ex))
     with torch.no_grad():
         by_round = logits_by_rounds(m, b.x, list(range(1, D + 1)))

@@ -282,11 +282,42 @@ def test_trace_needs_a_task_with_traces(tmp_path, capsys):
     with pytest.raises(UserError, match="data.round_targets"):
         task_recipe(**{"data.round_targets": "trace", "supervision.kind": "learned_exit", "exit.gate": True})
     path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a=1; ? a", "answer": "1", "trace": []}] * 3
-                       + [{"prompt": "b=a; a=1; ? b", "answer": "1", "trace": ["ab"]}])
+                       + [{"prompt": "b=a; a=1; ? b", "answer": "1", "trace": [""]}])
     code = main(["train", "--recipe", "quickstart", "--out", str(tmp_path / "run"), "--set", f"data.task={path}",
                  "--set", "data.round_targets=trace"])
     err = capsys.readouterr().err
-    assert code == 2 and "line 4" in err and "one token" in err
+    assert code == 2 and "line 4" in err and "non-empty" in err
+
+
+def test_a_trace_entry_of_several_tokens_is_trained_as_the_bag_of_its_tokens(tmp_path):
+    """Round r < k reads at the answer's first position the mean of the cross-entropies of the r-th
+    entry's tokens (each token once per occurrence), computed here token by token from the logits."""
+    from looplm.data.taskdata import read_task_file, round_targets
+    from looplm.model.losses import supervised_loss
+    from looplm.recipe.config import SupervisionConfig
+    lines = [{"prompt": "ox>elk; elk>7; q>3; ?ox=", "answer": "7", "difficulty": 2, "trace": ["elk"]},
+             {"prompt": "abba>cd; cd>ee; ee>1; ?abba=", "answer": "1", "difficulty": 3, "trace": ["cd", "ee"]},
+             {"prompt": "x>5; ?x=", "answer": "5", "difficulty": 1, "trace": []}]
+    path = write_jsonl(tmp_path / "t.jsonl", lines * 2)
+    recipe = task_recipe(**{"data.task": str(path), "data.round_targets": "trace", "data.depth_by_difficulty": True,
+                            "depth.max": 3, "data.separator": False})
+    examples = read_task_file(path, recipe, traces=True)[:3]
+    b = encode_examples(TOK, examples, recipe.model.context, False)
+    rt = round_targets(TOK, examples, b, recipe.data.task, recipe.model.vocab_size)
+    model = looplm.build_model(recipe)
+    out = model(b.x, 3, readout_rounds=(1, 2, 3))
+    loss, info = supervised_loss(SupervisionConfig(kind="every"), out, b.y, b.mask, rt)
+    for r in (1, 2):
+        logp = torch.log_softmax(out.round_logits[r].double(), -1)
+        terms = []
+        for row, ex in enumerate(examples):
+            pos = b.prompt_lens[row] - 1                         # the answer's first target index
+            if r <= len(ex.meta["trace"]):
+                entry = ex.meta["trace"][r - 1]                      # one byte token per letter
+                terms.append(-sum(logp[row, pos, TOK.encode(ch)[0]] for ch in entry) / len(entry))
+            else:                                                    # the answer, at every answer position
+                terms += [-logp[row, t, b.y[row, t]] for t in b.mask[row].nonzero().flatten().tolist()]
+        assert abs(info["round_losses"][r] - float(sum(terms) / len(terms))) < 1e-5, r
 
 
 def test_length_curriculum_is_its_own_dial():

@@ -111,22 +111,31 @@ def encode_examples(tok: Any, examples: list[Example], context: int | None = Non
 class RoundTargets:
     """Per-round targets of one batch (data.round_targets = "trace"). A row whose example has
     k - 1 trace entries is trained, at rounds r < k, on trace[r - 1] at the answer's first
-    position and nothing else; from round k on, on the whole answer (y, mask)."""
+    position and nothing else; from round k on, on the whole answer (y, mask). An entry of several
+    tokens (a two-letter name, a word) is a bag of them there: the target is the distribution
+    putting 1/n on each of its n tokens (its cross-entropy is the mean of each token's), so the
+    state must tell that entry from the others without the readout spelling it out."""
 
     y: torch.Tensor           # (B, T) the answer targets, as in TaskBatch
     mask: torch.Tensor        # (B, T)
     first: torch.Tensor       # (B,) target index of the answer's first token
-    trace: torch.Tensor       # (B, K) token id of each trace entry (padded with 0)
+    trace: torch.Tensor       # (B, K) token id of each one-token trace entry (padded with 0)
     steps: torch.Tensor       # (B,) trace entries per row (k - 1)
+    bags: torch.Tensor | None = None   # (B, K, V) each entry's token distribution, where any has several tokens
 
     def __call__(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(targets, mask) for round r."""
+        """(targets, mask) for round r: targets (B, T) ids, or (B, T, V) distributions with bags."""
         rows = (self.steps >= r).nonzero().squeeze(1)          # rows still before their answer
         if rows.numel() == 0:
             return self.y, self.mask
-        y, mask = self.y.clone(), self.mask.clone()
+        mask = self.mask.clone()
         mask[rows] = False
         mask[rows, self.first[rows]] = True
+        if self.bags is not None:
+            y = torch.nn.functional.one_hot(self.y, self.bags.shape[-1]).float()      # (B, T, V)
+            y[rows, self.first[rows]] = self.bags[rows, r - 1]
+            return y, mask
+        y = self.y.clone()
         y[rows, self.first[rows]] = self.trace[rows, r - 1]
         return y, mask
 
@@ -140,19 +149,21 @@ def example_trace(ex: Example, task: str) -> list[str]:
     return []
 
 
-def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str) -> RoundTargets:
-    """The RoundTargets of an encoded batch; every trace entry must be one token."""
-    traces = []
-    for ex in examples:
-        ids = [tok.encode(t) for t in example_trace(ex, task)]
-        if any(len(i) != 1 for i in ids):
-            raise UserError(f"{_where(ex)}: every trace entry must be one token for data.round_targets = "
-                            f"\"trace\"; got {example_trace(ex, task)!r}")
-        traces.append([i[0] for i in ids])
+def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str, vocab: int) -> RoundTargets:
+    """The RoundTargets of an encoded batch over a readout of `vocab` ids; entries of several tokens
+    become bags (RoundTargets.bags). Entries are non-empty strings (load_jsonl refuses others)."""
+    traces = [[tok.encode(t) for t in example_trace(ex, task)] for ex in examples]
     K = max(1, max(len(t) for t in traces))
-    trace = torch.tensor([t + [0] * (K - len(t)) for t in traces], dtype=torch.long)
+    trace = torch.tensor([[i[0] for i in t] + [0] * (K - len(t)) for t in traces], dtype=torch.long)
+    bags = None
+    if any(len(i) > 1 for t in traces for i in t):
+        bags = torch.zeros(len(traces), K, vocab)
+        for row, t in enumerate(traces):
+            for k, ids in enumerate(t):
+                for i in ids:
+                    bags[row, k, i] += 1.0 / len(ids)
     return RoundTargets(b.y, b.mask, torch.tensor([p - 1 for p in b.prompt_lens]), trace,
-                        torch.tensor([len(t) for t in traces]))
+                        torch.tensor([len(t) for t in traces]), bags)
 
 
 # ---------------------------------------------------------------------------------------
@@ -426,7 +437,7 @@ def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> li
     for ex in examples:
         b = encode_examples(tok, [ex], context, recipe.data.separator)
         if traces:
-            round_targets(tok, [ex], b, recipe.data.task)
+            round_targets(tok, [ex], b, recipe.data.task, recipe.model.vocab_size)
     return examples
 
 
@@ -513,7 +524,8 @@ class TaskSampler:
                           b.difficulties[rows])
         opts: dict[str, Any] = {"mask": b.mask, "valid": b.real_inputs()}   # valid: what counts as tokens seen
         if self.recipe.data.round_targets == "trace":
-            opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task)
+            opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task,
+                                                   self.recipe.model.vocab_size)
         if self.recipe.data.depth_by_difficulty:
             opts["rounds"], opts["supervision"] = self.depth_plan(drawn[0].difficulty, index)
         return b.x, b.y, opts

@@ -54,9 +54,14 @@ def placement(cfg: SupervisionConfig, rounds_run: int) -> Placement:
 
 def token_losses(logits: Tensor, targets: Tensor, mask: Tensor | None = None) -> Tensor:
     """(..., V), (...) -> (...) cross-entropy per position, (B, T) or the (N,) positions a readout_at
-    forward read out; masked positions are 0."""
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           reduction="none").view_as(targets)
+    forward read out; masked positions are 0. Targets are ids, or (..., V) distributions (a trace
+    entry of several tokens, RoundTargets.bags)."""
+    V = logits.shape[-1]
+    if targets.is_floating_point():
+        loss = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1, V),
+                               reduction="none").view(targets.shape[:-1])
+    else:
+        loss = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), reduction="none").view_as(targets)
     return loss if mask is None else loss * mask
 
 

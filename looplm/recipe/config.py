@@ -457,7 +457,7 @@ class DataConfig:
     depth_by_difficulty: bool = applies(TASK_DATA, default=False)
     """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
     round_targets: Literal["answer", "trace"] = applies(TASK_DATA, default="answer")
-    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list, one token each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised."""
+    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list; an entry of several tokens is trained as the bag of its tokens, 1/n each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised."""
     eval_difficulty_max: int = applies(TASK_DATA, default=0)
     """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
     eval_rounds_max: int = applies(TASK_DATA, default=0)
