@@ -53,3 +53,30 @@ def test_the_draws_cover_the_surface_choices():
     for field, choices in (("names", pf.NAMES), ("values", pf.VALUES), ("link", pf.LINKS), ("query", pf.QUERIES)):
         assert {getattr(f, field) for f in fmts} == set(choices), field
     assert {f.fixed for f in fmts} == {True, False} and {f.distractors for f in fmts} == {"chains", "trees"}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_cropped_line_keeps_its_answer_and_drops_what_it_was_asked_to(seed):
+    """data.crop_curriculum's crop_items: whatever it keeps, the independent reader finds the same answer
+    over the same chain; it drops round((1 - keep) x m) of the m items naming neither a trace entry nor the
+    answer, and those only."""
+    from looplm.data.tasks import Example
+    from looplm.data.taskdata import crop_items
+    fmt = pf.draw_format(seed)
+    g = random.Random(seed)
+    for hops in list(range(1, 9)) * 2:
+        line = pf.make_line(fmt, hops, g)
+        ex = Example(line["prompt"], line["answer"], hops, {"trace": line["trace"], "difficulty": hops})
+        *statements, _ = line["prompt"].split(fmt.separator)
+        chain = read_answer(fmt, line["prompt"])
+        # on the chain: the statements whose target is a trace entry or the answer, by the template
+        link = re.escape(fmt.link).replace(re.escape("{a}"), r"\w+").replace(re.escape("{b}"), r"(\w+)")
+        needed = [s for s in statements if re.fullmatch(link, s).group(1) in [*line["trace"], line["answer"]]]
+        spare = len(statements) - len(needed)
+        for keep in (0.0, 0.3, 0.5, 1.0):
+            cut = crop_items(ex, fmt.separator, keep, random.Random(hops))
+            assert read_answer(fmt, cut.prompt) == chain
+            kept = cut.prompt.split(fmt.separator)[:-1]
+            assert all(s in kept for s in needed)
+            assert len(kept) - len(needed) == round(keep * spare)
+            assert kept == [s for s in statements if s in kept]          # in their order

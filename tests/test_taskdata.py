@@ -521,3 +521,56 @@ def test_eval_batch_size_on_a_task_run_is_refused_not_ignored(task_run, capsys):
     assert main(["eval", str(task_run[0]), "--batch-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "--batch-size" in err and len(err.strip().splitlines()) == 1
+
+
+def crop_file(tmp_path):
+    """Pointer chases "k>p p>3 z>1 ... ?k=" of 1-2 hops, every prompt 6 links, with traces; each line
+    queries its own name."""
+    import random as _random
+    g, rows, letters = _random.Random(0), [], "abcdefghijklmnopqrstuvwxyz"
+    for i in range(26):
+        names = [letters[i]] + g.sample(letters.replace(letters[i], ""), 11)
+        hops = 1 + i % 2
+        links = [(names[h], names[h + 1]) for h in range(hops - 1)] + [(names[hops - 1], str(g.randrange(10)))]
+        links += [(names[6 + j], str(g.randrange(10))) for j in range(6 - hops)]
+        g.shuffle(links)
+        answer = next(b for a, b in links if a == names[hops - 1])
+        rows.append({"prompt": " ".join(f"{a}>{b}" for a, b in links) + f" ?{names[0]}=", "answer": answer,
+                     "difficulty": hops, "trace": names[1:hops]})
+    return write_jsonl(tmp_path / "crop.jsonl", rows)
+
+
+def test_the_crop_curriculum_keeps_a_growing_share_of_the_unneeded_statements(tmp_path):
+    """Warm-up keeps none of a line's unneeded statements; then micro-batch i keeps a fraction drawn
+    uniformly from [0, progress(i)], progress growing linearly to 1 over crop_curriculum x steps."""
+    path = crop_file(tmp_path)
+    recipe = task_recipe(**{"data.task": str(path), "data.crop_curriculum": 0.5, "data.item_separator": " ",
+                            "data.warmup_steps": 10, "train.steps": 110, "data.separator": False})
+    source = TaskSource(recipe)
+    sampler = TaskSampler(source, TOK, recipe)
+    lines = [ex.prompt.split(" ") for pool in source._train_pool.values() for ex in pool]
+    for i in range(0, 110, 3):
+        keep = sampler.keep(i)
+        top = 0.0 if i < 10 else min(1.0, (i - 10) / 55)
+        assert 0.0 <= keep <= top + 1e-12
+        for ex in sampler.examples(i):
+            *kept, query = ex.prompt.split(" ")
+            [full] = [ln[:-1] for ln in lines if ln[-1] == query]            # its line
+            needed = [s for s in full if s.split(">")[1] in [*ex.meta["trace"], ex.answer]]
+            assert set(needed) <= set(kept) and len(kept) - len(needed) == round(keep * (len(full) - len(needed)))
+    late = [sampler.keep(i) for i in range(65, 110)]
+    assert max(late) > 0.8 and min(late) < 0.2           # after the ramp: the whole range
+
+
+def test_the_crop_curriculum_is_refused_where_it_cannot_find_the_statements(tmp_path):
+    path = crop_file(tmp_path)
+    with pytest.raises(UserError, match="data.item_separator"):
+        task_recipe(**{"data.task": str(path), "data.crop_curriculum": 0.5})
+    with pytest.raises(UserError, match="no item but the last names"):      # the wrong separator
+        TaskSource(task_recipe(**{"data.task": str(path), "data.crop_curriculum": 0.5, "data.item_separator": ";"}))
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{k: v for k, v in json.loads(line).items() if k != "trace"}
+                                                 for line in path.read_text().splitlines()])
+    with pytest.raises(UserError, match="has no \"trace\""):
+        TaskSource(task_recipe(**{"data.task": str(bare), "data.crop_curriculum": 0.5, "data.item_separator": " "}))
+    with pytest.raises(UserError, match="data.crop_curriculum: does not apply"):   # a generator
+        task_recipe(**{"data.crop_curriculum": 0.5})

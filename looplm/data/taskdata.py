@@ -28,7 +28,8 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,7 @@ class TaskSource:
         self.train_length_counts: dict[int, dict[int, int]] = {}  # JSONL: training lines by difficulty, then length
         self.unused_counts: dict[int, int] = {}  # JSONL lines outside difficulty_min..the evaluated maximum
         self.levelled = True                     # False: a JSONL file whose lines give no "difficulty"
+        self.crop = False                        # data.crop_curriculum: training prompts lose unneeded items
         if self.builtin and d.round_targets == "trace" and d.task not in TRACERS:
             raise UserError(f"recipe field data.round_targets = \"trace\": task {d.task} has no trace of "
                             f"intermediate results (tasks with one: {', '.join(TRACERS)}; a JSONL file can give "
@@ -213,6 +215,9 @@ class TaskSource:
             self._check_difficulty_dials(recipe)
             if self.length_unit:
                 self._select_lengths(d)
+            self.crop = d.crop_curriculum > 0
+            if self.crop:
+                self._check_crop(d)
         # training examples per difficulty (None for a generator: fresh ones every batch)
         self.train_counts = None if self.builtin else {lv: len(p) for lv, p in sorted(self._train_pool.items())}
 
@@ -275,9 +280,10 @@ class TaskSource:
         if d.curriculum:
             raise UserError(f"recipe field data.curriculum = {d.curriculum}: {why}, so there is no difficulty to "
                             f"grow; set it to 0 or train on several difficulties")
-        if d.warmup_steps and not (self.length_unit and d.train_length_min):
+        if d.warmup_steps and not (self.length_unit and d.train_length_min) and not d.crop_curriculum:
             raise UserError(f"recipe field data.warmup_steps = {d.warmup_steps}: {why}, and no length dial "
-                            f"(data.length_unit with data.train_length_min) gives warm-up shorter prompts, so "
+                            f"(data.length_unit with data.train_length_min, or data.crop_curriculum) gives "
+                            f"warm-up shorter prompts, so "
                             f"warm-up would train what every step trains; set it to 0")
         if d.depth_by_difficulty and not self.levelled:
             raise UserError(f"recipe field data.depth_by_difficulty: {why}, so every line reads as difficulty 0 "
@@ -321,6 +327,24 @@ class TaskSource:
         self._train_pool = {lv: [ex for exs in b.values() for ex in exs] for lv, b in pool.items()}
         self.train_length_counts = {lv: {n: len(e) for n, e in b.items()} for lv, b in pool.items()}
 
+    def _check_crop(self, d: DataConfig) -> None:
+        """data.crop_curriculum keeps a line's items that name a trace entry or the answer: refuse a file
+        where that cannot find them (no "trace", or an entry no item but the query names as a word,
+        which is what a wrong data.item_separator or names run into other text look like)."""
+        for pool in self._train_pool.values():
+            for ex in pool:
+                if "trace" not in ex.meta:
+                    raise UserError(f"recipe field data.crop_curriculum = {d.crop_curriculum}: {_where(ex)} has no "
+                                    f"\"trace\", so the items its answer needs cannot be told from the others; "
+                                    f"give every line a \"trace\" (its intermediate results) or set it to 0")
+                items = ex.prompt.split(self.item_separator)
+                for name in [*ex.meta["trace"], ex.answer]:
+                    if not any(_names(item, name) for item in items[:-1]):
+                        raise UserError(f"recipe field data.crop_curriculum = {d.crop_curriculum}: {_where(ex)}: "
+                                        f"no item but the last names {name!r} as a word, split at "
+                                        f"data.item_separator = {self.item_separator!r}; a prompt's statements must "
+                                        f"be its items and name their targets as words, or set it to 0")
+
     def length_window(self, level: int, progress: float = 1.0) -> tuple[int, int] | None:
         """The prompt lengths training can draw at `level` when the length ramp is at `progress`:
         (lo, hi) with hi raised from lo (progress 0) to the longest allowed (progress 1); None
@@ -350,15 +374,20 @@ class TaskSource:
             return rng.randint(*window)
         return rng.choice([n for n in self._length_pool[level] if n <= window[1]])
 
-    def train_examples(self, level: int, n: int, index: int, progress: float = 1.0) -> list[Example]:
+    def train_examples(self, level: int, n: int, index: int, progress: float = 1.0,
+                       keep: float = 1.0) -> list[Example]:
         """The n examples of training micro-batch `index`, all of difficulty `level` (and, with a JSONL
-        file's length dials, all of one prompt length)."""
+        file's length dials, all of one prompt length); with data.crop_curriculum each keeps `keep` of
+        the items it does not need (crop_items)."""
         length = self.train_length(level, index, progress)
         if self.builtin:
             return list(TASKS[self.task](self.seed * TRAIN_STRIDE + index, level, n, length))
         pool = self._train_pool[level] if self._length_pool is None else self._length_pool[level][length]
         rng = random.Random(f"looplm.taskdata/batch/{self.seed}/{index}")
-        return rng.choices(pool, k=n)
+        drawn = rng.choices(pool, k=n)
+        if not self.crop or keep >= 1.0:
+            return drawn
+        return [crop_items(ex, self.item_separator, keep, rng) for ex in drawn]
 
     def eval_sets(self, n: int, seed: int = EVAL_SEED, levels: list[int] | None = None) -> dict[int, list[Example]]:
         """Held-out examples by difficulty: n fresh ones per level (a JSONL file: the first n of
@@ -374,6 +403,23 @@ class TaskSource:
             return None
         return sum(len("".join(format_for_training(ex, self.separator)).encode()) for pool in
                    self._train_pool.values() for ex in pool)
+
+
+def _names(item: str, name: str) -> bool:
+    """Whether `item` holds `name` as a word: not run into letters, digits or _ on either side."""
+    return re.search(rf"(?<![0-9A-Za-z_]){re.escape(name)}(?![0-9A-Za-z_])", item) is not None
+
+
+def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> Example:
+    """`ex` with round(keep x m) of its m unneeded items left, chosen by rng, in their order. Needed:
+    the last item (the query) and every item naming a trace entry or the answer as a word; in a
+    pointer chase each statement on the queried chain names its target (the next name, or at the
+    end the answer), so dropping the others never changes the answer. Blank pieces stay."""
+    items = ex.prompt.split(separator)
+    names = [*ex.meta["trace"], ex.answer]
+    spare = [i for i, item in enumerate(items[:-1]) if item.strip() and not any(_names(item, n) for n in names)]
+    drop = set(rng.sample(spare, len(spare) - round(keep * len(spare))))
+    return replace(ex, prompt=separator.join(item for i, item in enumerate(items) if i not in drop))
 
 
 def ramp(lo: int, top: int, progress: float) -> int:
@@ -499,10 +545,19 @@ class TaskSampler:
         first = 1 if r.data.round_targets == "trace" else max(1, min(level, rounds))
         return rounds, SupervisionConfig(kind="rounds", rounds=tuple(range(first, rounds + 1)))
 
+    def keep(self, index: int) -> float:
+        """data.crop_curriculum: the fraction of their unneeded items micro-batch `index`'s lines keep,
+        uniform in [0, progress] (0 in warm-up); 1 without the curriculum."""
+        d = self.recipe.data
+        if not d.crop_curriculum:
+            return 1.0
+        top = self.progress(index, d.crop_curriculum)
+        return random.Random(f"looplm.taskdata/crop/{self.recipe.train.seed}/{index}").uniform(0.0, top)
+
     def examples(self, index: int) -> list[Example]:
         level = self.level(index)
         return self.source.train_examples(level, self.recipe.train.batch_size, index,
-                                          self.progress(index, self.recipe.data.length_curriculum))
+                                          self.progress(index, self.recipe.data.length_curriculum), self.keep(index))
 
     def batch(self, index: int, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """(x, y, train_step options) of micro-batch `index`, or of its `rows` (this process's share

@@ -444,14 +444,19 @@ class DataConfig:
     """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length). A JSONL file (with data.length_unit) selects its lines by length instead: 0 = lines of exactly task_length (0: every line); else each micro-batch draws one length uniformly among the difficulty's line lengths in that window and trains on lines of it (evaluation uses every held-out line)."""
     length_unit: Literal["", "tokens", "items"] = applies(JSONL_TASK, default="")
     """Task data, a JSONL file: the unit its prompt lengths are counted in for task_length, train_length_min and length_curriculum: tokens (the prompt's tokens as written) or items (non-blank pieces of the prompt split at data.item_separator); empty = no length dials (prompts used as written)."""
-    item_separator: str = applies(JSONL_TASK, when("data.length_unit", "items"), default="")
-    """Task data, data.length_unit = "items": the string between a prompt's statements (e.g. "; " or "\\n")."""
+    item_separator: str = applies(JSONL_TASK, Condition(("data.length_unit", "data.crop_curriculum"),
+                                                        lambda unit, crop: unit == "items" or crop > 0,
+                                                        'data.length_unit is "items" or data.crop_curriculum > 0'),
+                                  default="")
+    """Task data, data.length_unit = "items" or data.crop_curriculum: the string between a prompt's statements (e.g. "; " or "\\n")."""
     warmup_steps: int = applies(TASK_DATA, default=0)
     """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
     curriculum: float = applies(TASK_DATA, default=0.0)
     """Task data: fraction of train.steps, after warmup_steps, over which the largest training difficulty grows from difficulty_min to difficulty_max (0 = all at once)."""
     length_curriculum: float = applies(LENGTH_DIALS, unless("data.train_length_min", 0), default=0.0)
     """Task data: with train_length_min, fraction of train.steps, after warmup_steps, over which the longest training prompt grows from the shortest to task_length (0 = all lengths at once)."""
+    crop_curriculum: float = applies(JSONL_TASK, default=0.0)
+    """Task data, a JSONL file with "trace" lines: build shorter training prompts from the file's own lines, split into items (statements) at data.item_separator. An item is needed when it is the prompt's last (the query) or names a trace entry or the answer as a whole word; each micro-batch draws a fraction q uniformly from [0, progress] and each line keeps that fraction of its other items, in order (warm-up: none of them), progress growing from 0 to 1 over this fraction of train.steps after warmup_steps (0 = prompts as written). For files of one prompt length, where data.length_curriculum has nothing to grow."""
     separator: bool = applies(TASK_DATA, default=True)
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
     depth_by_difficulty: bool = applies(TASK_DATA, default=False)
@@ -481,6 +486,10 @@ class DataConfig:
         _check(self.train_length_min >= 0, "data.train_length_min", "must be >= 0 (0 = always task_length)")
         _check(0 <= self.curriculum <= 1, "data.curriculum", "must lie in [0, 1] (a fraction of train.steps)")
         _check(0 <= self.length_curriculum <= 1, "data.length_curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(0 <= self.crop_curriculum <= 1, "data.crop_curriculum", "must lie in [0, 1] (a fraction of train.steps)")
+        _check(not self.crop_curriculum or bool(self.item_separator) or not self.task or _builtin_task(self.task),
+               "data.item_separator",
+               "must be set for data.crop_curriculum (the string between a prompt's statements, e.g. \" \" or \"; \")")
         _check(self.warmup_steps >= 0, "data.warmup_steps", "must be >= 0")
         _check(self.length_unit != "items" or bool(self.item_separator), "data.item_separator",
                'must name the string between a prompt\'s statements when data.length_unit = "items"')
