@@ -140,7 +140,7 @@ def run(fmt: Format, a: argparse.Namespace) -> int:
     import time
 
     from looplm.experiments.extrapolate import run_extrapolate, summary_lines
-    from looplm.recipe.config import load_recipe, parse_override
+    from looplm.recipe.config import load_recipe, parse_override, read_recipe_dict
 
     out = Path(a.out) / ("issue" if a.issue else f"format{a.seed}")
     out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +150,13 @@ def run(fmt: Format, a: argparse.Namespace) -> int:
     data = out / "task.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in lines))
     (out / "format.json").write_text(json.dumps(asdict(fmt), indent=1) + "\n")
-    overrides = {"data.task": str(data), **dict(parse_override(s) for s in a.set)}
+    # the format's statement separator for data.crop_curriculum, and a context that holds the longest line
+    # (prompt + answer + its end, in bytes: task runs are byte-tokenized)
+    longest = max(len((x["prompt"] + x["answer"]).encode()) + 2 for x in lines)
+    sets = dict(parse_override(s) for s in a.set)
+    crop = float(sets.get("data.crop_curriculum", read_recipe_dict("extrapolate")["data"].get("crop_curriculum", 0)))
+    overrides = {"data.task": str(data), **({"data.item_separator": fmt.separator} if crop else {}),
+                 **({"model.context": -(-longest // 32) * 32} if longest > 128 else {}), **sets}
     recipe = load_recipe("extrapolate", overrides)
     t0 = time.perf_counter()
     result = run_extrapolate(recipe, out, seeds=[int(s) for s in a.seeds.split(",")])
