@@ -226,3 +226,18 @@ def test_each_seeds_verdict_says_whether_its_lookup_cell_is_above_chance():
     assert "at chance in that cell" in ex.lookup_line({"seeds": agg})
     one = ex.lookup_verdict(results[1], 0.9)
     assert one["above_chance"] is False and "NOT above" in ex.lookup_line({"lookup": one})
+
+
+def test_a_failed_lookup_without_short_prompts_says_what_the_recipe_rests_on():
+    """A seed that did not form the lookup, trained with no length or crop curriculum, is told that short
+    prompts are what the recipe needs; with either curriculum, or when the lookup formed, nothing is added."""
+    results = constructed()
+    one = ex.lookup_verdict(results[1], 0.9)
+    assert not one["formed"]
+    bare = {"task": "f.jsonl", "train_length_min": 0, "crop_curriculum": 0.0}
+    assert ex.NO_SHORT_PROMPTS in ex.lookup_line({"lookup": one, "recipe": {"data": bare}})
+    for curriculum in ({"crop_curriculum": 0.6}, {"train_length_min": 2}):
+        line = ex.lookup_line({"lookup": one, "recipe": {"data": {**bare, **curriculum}}})
+        assert ex.NO_SHORT_PROMPTS not in line and "did not form" in line
+    formed = ex.lookup_verdict(results[0], 0.9)
+    assert formed["formed"] and ex.NO_SHORT_PROMPTS not in ex.lookup_line({"lookup": formed, "recipe": {"data": bare}})

@@ -609,8 +609,26 @@ def _seed_list(seeds: list[int]) -> str:
     return f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
 
 
+def short_prompts(data: dict[str, Any]) -> str | None:
+    """Which curriculum gave training prompts shorter than the longest, from a resolved recipe's data
+    section; None when none did (every prompt as the generator pads it, or as the file writes it)."""
+    if data.get("crop_curriculum"):
+        return f"data.crop_curriculum = {data['crop_curriculum']}"
+    if data.get("train_length_min"):
+        return f"data.train_length_min = {data['train_length_min']}"
+    return None
+
+
+NO_SHORT_PROMPTS = ("training saw no prompt shorter than its data's (no length or crop curriculum applied); on "
+                    "prompts of one length the lookup was not found in our trials: a file of pointer chases with "
+                    "traces can set data.crop_curriculum and data.item_separator (docs/tasks.md)")
+
+
 def lookup_line(result: dict[str, Any]) -> str | None:
-    """How many seeds formed the lookup (several seeds), or whether the one seed did."""
+    """How many seeds formed the lookup (several seeds), or whether the one seed did; where it failed and
+    no curriculum gave short prompts, says so."""
+    data = result.get("recipe", {}).get("data")
+    hint = f"; {NO_SHORT_PROMPTS}" if data is not None and short_prompts(data) is None else ""
     if "seeds" in result:
         lk = result["seeds"]["lookup"]
         failed = lk["failed_seeds"]
@@ -618,14 +636,14 @@ def lookup_line(result: dict[str, Any]) -> str | None:
         return (f"{lk['formed']} of {lk['of']} seeds formed the lookup ({lk['criterion']})"
                 + (f"; failed: {_seed_list(failed)} (counted, and kept in every mean)" if failed else "")
                 + (f"; at chance in that cell (learned nothing measurable there): {_seed_list(at_chance)}"
-                   if at_chance else ""))
+                   if at_chance else "") + (hint if failed else ""))
     lk = result.get("lookup")
     if lk is None:
         return None
     return (f"the lookup {'formed' if lk['formed'] else 'did not form'}: {100 * lk['accuracy']:.1f}% "
             f"(criterion: {criterion_text(lk)})"
             + (f"; chance {100 * lk['chance']:.0f}%: {'above' if lk['above_chance'] else 'NOT above'} it"
-               if lk.get("chance") is not None else ""))
+               if lk.get("chance") is not None else "") + ("" if lk["formed"] else hint))
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
@@ -675,6 +693,8 @@ def _setting_lines(result: dict[str, Any]) -> list[str]:
         (f"Prompt length is a separate dial: every prompt has {pl['items']} items (distractors pad easier "
          "examples), so difficulty never shows in the length." if pl["items"] is not None else
          "Prompt lengths are the data file's own (a JSONL task has no generator's length dial).")
+        + (f" Shorter training prompts: {short_prompts(rec['data'])}." if short_prompts(rec["data"]) else
+           " Training prompts were never shortened.")
         + " Mean prompt tokens by difficulty: "
         + ", ".join(f"{k}: {v:.0f}" for k, v in pl["tokens_by_difficulty"].items()) + ".", "",
         *(["Round targets: `trace`. Every round was supervised; round r < k of a k-hop training example was "
