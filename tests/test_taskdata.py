@@ -575,3 +575,23 @@ def test_the_crop_curriculum_is_refused_where_it_cannot_find_the_statements(tmp_
         TaskSource(task_recipe(**{"data.task": str(bare), "data.crop_curriculum": 0.5, "data.item_separator": " "}))
     with pytest.raises(UserError, match="data.crop_curriculum: does not apply"):   # a generator
         task_recipe(**{"data.crop_curriculum": 0.5})
+
+
+def test_the_report_counts_what_the_crop_curriculum_dropped(tmp_path):
+    """report.json's crop_counts against a recount: the same micro-batches drawn without the curriculum
+    give the lines as written; each cut line's kept unneeded statements are its written ones (targets
+    neither a trace entry nor the answer) less those missing from the cut prompt."""
+    path = crop_file(tmp_path)
+    over = {"data.task": str(path), "data.separator": False, "train.steps": 3, "train.batch_size": 8}
+    recipe = task_recipe(**over, **{"data.crop_curriculum": 0.5, "data.item_separator": " "})
+    report = train(recipe, tmp_path / "run", quiet=True)
+    plain = TaskSampler(TaskSource(task_recipe(**over)), TOK, task_recipe(**over))
+    lines = spare = kept = 0
+    for i in range(3):
+        for full, cut in zip(plain.examples(i), TaskSampler(TaskSource(recipe), TOK, recipe).examples(i)):
+            unneeded = [s for s in full.prompt.split(" ")[:-1] if s.split(">")[1] not in [*full.meta["trace"], full.answer]]
+            lines, spare = lines + 1, spare + len(unneeded)
+            kept += sum(s in cut.prompt.split(" ") for s in unneeded)
+    assert report["crop_counts"] == {"lines": lines, "spare": spare, "kept": kept}
+    assert 0 < kept < spare
+    assert "crop_counts" not in train(task_recipe(**over), tmp_path / "plain", quiet=True)

@@ -422,7 +422,8 @@ def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> 
     spare = [i for i, item in enumerate(items[:-1]) if item.strip() and not any(_names(item, n) for n in names)]
     kept = 1 + round(keep * (len(spare) - 1)) if spare else 0
     drop = set(rng.sample(spare, len(spare) - kept))
-    return replace(ex, prompt=separator.join(item for i, item in enumerate(items) if i not in drop))
+    return replace(ex, prompt=separator.join(item for i, item in enumerate(items) if i not in drop),
+                   meta={**ex.meta, "crop": (kept, len(spare))})
 
 
 def ramp(lo: int, top: int, progress: float) -> int:
@@ -513,6 +514,8 @@ class TaskSampler:
         self.source, self.tok, self.recipe = source, tok, recipe
         self._seen: set[int] = set()
         self._unique_tokens = 0
+        # data.crop_curriculum: lines cut, and their unneeded items (spare) and those kept, as crop_items did it
+        self.crop_counts = {"lines": 0, "spare": 0, "kept": 0}
 
     def in_warmup(self, index: int) -> bool:
         return index // self.recipe.train.grad_accum < self.recipe.data.warmup_steps
@@ -568,6 +571,12 @@ class TaskSampler:
         agree, and counts all of them as seen): the options carry the answer mask and, with
         data.depth_by_difficulty, the rounds and supervision for this micro-batch."""
         drawn = self.examples(index)
+        for ex in drawn:
+            if "crop" in ex.meta:
+                kept, spare = ex.meta["crop"]
+                self.crop_counts["lines"] += 1
+                self.crop_counts["spare"] += spare
+                self.crop_counts["kept"] += kept
         b = encode_examples(self.tok, drawn, self.recipe.model.context, self.recipe.data.separator)
         for ex, n in zip(drawn, b.lengths):
             key = int.from_bytes(hashlib.blake2b(f"{ex.prompt}\0{ex.answer}".encode(), digest_size=8).digest(),
@@ -594,11 +603,14 @@ class TaskSampler:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"seen": torch.tensor(sorted(self._seen), dtype=torch.long),
-                "unique_tokens": torch.tensor(self._unique_tokens, dtype=torch.long)}
+                "unique_tokens": torch.tensor(self._unique_tokens, dtype=torch.long),
+                "crop_counts": torch.tensor([self.crop_counts[k] for k in ("lines", "spare", "kept")])}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._seen = set(state["seen"].tolist())
         self._unique_tokens = int(state["unique_tokens"])
+        if "crop_counts" in state:   # a checkpoint from before data.crop_curriculum has none
+            self.crop_counts = dict(zip(("lines", "spare", "kept"), state["crop_counts"].tolist()))
 
 
 def prepare_task_data(recipe: Recipe, run_dir: Path, write: bool = True):

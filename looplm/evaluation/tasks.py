@@ -302,6 +302,11 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
             trained += ("; by prompt length in " + unit + " (lines): " + "; ".join(
                 f"{d}: " + ", ".join(f"{n}: {c}" for n, c in sorted(b.items()))
                 for d, b in source.train_length_counts.items()))
+        c = sampler.crop_counts
+        if c["lines"]:
+            trained += (f"; data.crop_curriculum = {recipe.data.crop_curriculum} cut {c['lines']} training lines, "
+                        f"which kept {c['kept']} of their {c['spare']} unneeded statements "
+                        f"({100 * c['kept'] / max(1, c['spare']):.0f}%; the others were dropped)")
         if source.unused_counts:
             trained += ("; lines outside the trained and evaluated difficulties, unused: "
                         + ", ".join(f"{d}: {n}" for d, n in source.unused_counts.items()))
@@ -318,6 +323,7 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
         "task_accuracy": {str(d): {str(r): a for r, a in row.items()} for d, row in acc.items()},
         "task_difficulties": difficulties,
         "prompt_length_items": source.length,
+        **({"crop_counts": dict(sampler.crop_counts)} if sampler.crop_counts["lines"] else {}),
         "prompt_tokens_by_difficulty": {str(d): n for d, n in lengths.items()},
         "train_data_tokens": source.train_token_count() or sampler.unique_tokens(),
         "task_chance": {str(d): {"chance": row["chance"], "examples": row["examples"],
