@@ -5,6 +5,7 @@ tried on formats no one tuned it for (issue 42).
     python benchmarks/pointer_formats.py --describe --seed 3
     python benchmarks/pointer_formats.py --issue --out formats/         # the issue's own file (below)
     python benchmarks/pointer_formats.py --seed 3 --run [--seeds 0,1,2] [--set key=value ...]
+    python benchmarks/pointer_formats.py --issue --probe RUN [--difficulties 1,2,4]   # does RUN read the query?
 
 `--issue` writes the format a user tried (issue 42): "k>p p>w w>3 ?k=", single lowercase names, digit
 values, disjoint distractor chains padding every prompt to 10 links. `--run` writes the format's
@@ -94,14 +95,56 @@ def make_line(fmt: Format, hops: int, g: random.Random) -> dict:
         else:
             links.append((src, g.choice(VALUES[fmt.values])))
     g.shuffle(links)
-    prompt = fmt.separator.join(fmt.link.format(a=a, b=b) for a, b in links) + fmt.separator + \
-        fmt.query.format(a=chain[0])
-    return {"prompt": prompt, "answer": answer, "difficulty": hops, "trace": chain[1:]}
+    return {"prompt": render(fmt, links, chain[0]), "answer": answer, "difficulty": hops, "trace": chain[1:],
+            "links": links, "query": chain[0]}
+
+
+def _public(line: dict) -> dict:
+    """A line as the file holds it: prompt, answer, difficulty, trace."""
+    return {k: v for k, v in line.items() if k not in ("links", "query")}
+
+
+def render(fmt: Format, links: list[tuple[str, str]], query: str) -> str:
+    return fmt.separator.join(fmt.link.format(a=a, b=b) for a, b in links) + fmt.separator + fmt.query.format(a=query)
+
+
+def swapped(line: dict) -> tuple[str, str] | None:
+    """The line's other query: the head of another chain (a name nothing points to) that leads elsewhere
+    than the answer, and where it leads; None when the prompt has none."""
+    edges = dict(line["links"])
+    for head in (a for a in edges if a not in edges.values() and a != line["query"]):
+        end = head
+        while end in edges:
+            end = edges[end]
+        if end != line["answer"]:
+            return head, end
+    return None
+
+
+def probe(fmt: Format, run_dir: str, difficulties: list[int], n: int = 200) -> None:
+    """Does a run read the query? Fresh lines of the format, each asked again about the head of another chain:
+    exact match on both, and how often the prediction stays the same when the query changes (a model that
+    ignores the query answers from the rest of the prompt, e.g. the end of its longest chain)."""
+    import looplm
+    from looplm.evaluation.tasks import greedy_answers
+
+    run = looplm.load_run(run_dir)
+    g = random.Random(12345)
+    for d in difficulties:
+        lines = [x for x in (make_line(fmt, d, g) for _ in range(4 * n)) if swapped(x)][:n]
+        other = [swapped(x) for x in lines]
+        a = greedy_answers(run.model, run.tokenizer, [x["prompt"] for x in lines], d, separator=run.recipe.data.separator)
+        b = greedy_answers(run.model, run.tokenizer, [render(fmt, x["links"], h) for x, (h, _) in zip(lines, other)], d,
+                           separator=run.recipe.data.separator)
+        k = len(lines)
+        print(f"{d} hops at {d} rounds ({k} lines): exact {sum(p == x['answer'] for p, x in zip(a, lines)) / k:.0%}; "
+              f"other query: exact {sum(p == t for p, (_, t) in zip(b, other)) / k:.0%}; prediction unchanged "
+              f"{sum(p == q for p, q in zip(a, b)) / k:.0%}", flush=True)
 
 
 def write(fmt: Format, path: Path, lines: int, hops: range, seed: int) -> None:
     g = random.Random(seed)
-    path.write_text("".join(json.dumps(make_line(fmt, g.choice(list(hops)), g)) + "\n" for _ in range(lines)))
+    path.write_text("".join(json.dumps(_public(make_line(fmt, g.choice(list(hops)), g))) + "\n" for _ in range(lines)))
 
 
 def main() -> int:
@@ -116,7 +159,12 @@ def main() -> int:
     ap.add_argument("--run", action="store_true", help="run the extrapolation experiment on the format")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--probe", metavar="RUN", help="does RUN (trained on this format) read the query?")
+    ap.add_argument("--difficulties", default="1,2,4")
     a = ap.parse_args()
+    if a.probe:
+        probe(ISSUE if a.issue else draw_format(a.seed), a.probe, [int(x) for x in a.difficulties.split(",")])
+        return 0
     if a.run:
         return run(ISSUE if a.issue else draw_format(a.seed), a)
     for s in range(a.seed, a.seed + a.count):
@@ -145,8 +193,8 @@ def run(fmt: Format, a: argparse.Namespace) -> int:
     out = Path(a.out) / ("issue" if a.issue else f"format{a.seed}")
     out.mkdir(parents=True, exist_ok=True)
     g = random.Random(a.seed)
-    lines = [make_line(fmt, g.choice(range(1, 5)), g) for _ in range(a.train)]
-    lines += [make_line(fmt, g.choice(range(5, 9)), g) for _ in range(a.eval)]
+    lines = [_public(make_line(fmt, g.choice(range(1, 5)), g)) for _ in range(a.train)]
+    lines += [_public(make_line(fmt, g.choice(range(5, 9)), g)) for _ in range(a.eval)]
     data = out / "task.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in lines))
     (out / "format.json").write_text(json.dumps(asdict(fmt), indent=1) + "\n")

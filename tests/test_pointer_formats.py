@@ -39,7 +39,7 @@ def test_every_line_is_well_formed_and_solvable(seed):
     fmt = pf.draw_format(seed)
     g = random.Random(seed)
     for hops in list(range(1, 9)) * 4:
-        line = json.loads(json.dumps(pf.make_line(fmt, hops, g)))
+        line = json.loads(json.dumps(pf._public(pf.make_line(fmt, hops, g))))
         assert set(line) == {"prompt", "answer", "difficulty", "trace"}
         answer, n, passed = read_answer(fmt, line["prompt"])
         assert (answer, n, passed) == (line["answer"], hops, line["trace"]) == (answer, line["difficulty"], passed)
@@ -80,3 +80,22 @@ def test_a_cropped_line_keeps_its_answer_and_drops_what_it_was_asked_to(seed):
             assert all(s in kept for s in needed)
             assert len(kept) - len(needed) == (1 + round(keep * (spare - 1)) if spare else 0)
             assert kept == [s for s in statements if s in kept]          # in their order
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_probe_asks_about_another_chain_with_another_answer(seed):
+    """--probe's second prompt differs from the first in its query alone, and the independent reader finds
+    there the answer swapped() says, which is not the line's."""
+    fmt = pf.draw_format(seed)
+    g = random.Random(seed)
+    found = 0
+    for hops in list(range(1, 9)) * 3:
+        line = pf.make_line(fmt, hops, g)
+        other = pf.swapped(line)
+        if other is None:
+            continue
+        found += 1
+        prompt = pf.render(fmt, line["links"], other[0])
+        assert prompt.split(fmt.separator)[:-1] == line["prompt"].split(fmt.separator)[:-1]
+        assert read_answer(fmt, prompt)[0] == other[1] != line["answer"]
+    assert found > 10
