@@ -19,7 +19,9 @@ A format (`draw_format(seed)`) fixes every surface choice at random:
 - the link template: "a>b", "a -> b", "a points to b.", "set a to b;", "(b<a)", "a: b";
 - the separator between links;
 - the query: "?a=", "follow a", "Where does a lead?", "a => ?";
-- the distractors: disjoint chains or trees hanging off the queried chain upstream of the query;
+- the distractors: disjoint chains of one or two links, disjoint chains as long as the queried one ending in
+  other values ("equal", the built-in chain's rule: neither depth nor the answer's value gives it away), or
+  trees hanging off the queried chain upstream of the query;
 - fixed-length prompts (every prompt padded to `length` links) or lengths that vary with the draw.
 
 A line: {"prompt", "answer", "difficulty" (hops), "trace" (the names reached after each hop but the last)}.
@@ -55,7 +57,7 @@ class Format:
     link: str
     separator: str
     query: str
-    distractors: str          # "chains" | "trees"
+    distractors: str          # "chains" | "equal" | "trees"
     length: int               # links per prompt (fixed) or the most (varying)
     fixed: bool
 
@@ -70,7 +72,7 @@ def draw_format(seed: int) -> Format:
     # a separator that occurs in neither template, so that a reader can split a prompt into its statements
     separator = g.choice([sep for sep in SEPARATORS if sep not in link and sep not in query])
     return Format(names=names, values=values, link=link, separator=separator, query=query,
-                  distractors=g.choice(["chains", "trees"]), length=g.choice([10, 12, 16]), fixed=g.random() < 0.5)
+                  distractors=g.choice(["chains", "equal", "trees"]), length=g.choice([10, 12, 16]), fixed=g.random() < 0.5)
 
 
 ISSUE = Format(names="lower", values="digits", link="{a}>{b}", separator=" ", query="?{a}=",
@@ -87,7 +89,13 @@ def make_line(fmt: Format, hops: int, g: random.Random) -> dict:
     total = fmt.length if fmt.fixed else g.randint(hops, max(hops, fmt.length))
     while len(links) < total and pool:
         src = pool.pop()
-        if fmt.distractors == "trees" and hops > 1 and g.random() < 0.5:
+        if fmt.distractors == "equal":
+            # a disjoint chain as long as the queried one (the last may be shorter), ending in another value:
+            # neither chain depth nor the answer's value tells the queried chain (the built-in chain's rule)
+            names = [src] + [pool.pop() for _ in range(min(hops, total - len(links), len(pool) + 1) - 1)]
+            end = g.choice([v for v in VALUES[fmt.values] if v != answer])
+            links += [(names[i], names[i + 1]) for i in range(len(names) - 1)] + [(names[-1], end)]
+        elif fmt.distractors == "trees" and hops > 1 and g.random() < 0.5:
             links.append((src, chain[g.randrange(0, hops)]))         # into the queried chain, never from it
         elif len(links) + 2 <= total and pool:
             mid = pool.pop()                                         # a disjoint chain of two links

@@ -52,7 +52,7 @@ def test_the_draws_cover_the_surface_choices():
     fmts = [pf.draw_format(s) for s in range(200)]
     for field, choices in (("names", pf.NAMES), ("values", pf.VALUES), ("link", pf.LINKS), ("query", pf.QUERIES)):
         assert {getattr(f, field) for f in fmts} == set(choices), field
-    assert {f.fixed for f in fmts} == {True, False} and {f.distractors for f in fmts} == {"chains", "trees"}
+    assert {f.fixed for f in fmts} == {True, False} and {f.distractors for f in fmts} == {"chains", "equal", "trees"}
 
 
 @pytest.mark.parametrize("seed", range(12))
