@@ -58,8 +58,8 @@ def test_the_draws_cover_the_surface_choices():
 @pytest.mark.parametrize("seed", range(12))
 def test_a_cropped_line_keeps_its_answer_and_drops_what_it_was_asked_to(seed):
     """data.crop_curriculum's crop_items: whatever it keeps, the independent reader finds the same answer
-    over the same chain; of the m items naming neither a trace entry nor the answer it keeps
-    1 + round(keep x (m - 1)) (a distractor always stays), and drops no other."""
+    over the same chain; of the m items naming neither a trace entry nor the answer it keeps round(keep x m),
+    and drops no other."""
     from looplm.data.tasks import Example
     from looplm.data.taskdata import crop_items
     fmt = pf.draw_format(seed)
@@ -78,7 +78,7 @@ def test_a_cropped_line_keeps_its_answer_and_drops_what_it_was_asked_to(seed):
             assert read_answer(fmt, cut.prompt) == chain
             kept = cut.prompt.split(fmt.separator)[:-1]
             assert all(s in kept for s in needed)
-            assert len(kept) - len(needed) == (1 + round(keep * (spare - 1)) if spare else 0)
+            assert len(kept) - len(needed) == round(keep * spare)
             assert kept == [s for s in statements if s in kept]          # in their order
 
 

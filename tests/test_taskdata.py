@@ -541,8 +541,8 @@ def crop_file(tmp_path):
 
 
 def test_the_crop_curriculum_keeps_a_growing_share_of_the_unneeded_statements(tmp_path):
-    """Warm-up keeps one of a line's m unneeded statements; then micro-batch i keeps 1 + round(q x (m - 1)),
-    q drawn uniformly from [0, progress(i)], progress growing linearly to 1 over crop_curriculum x steps."""
+    """Warm-up keeps none of a line's m unneeded statements; then micro-batch i keeps round(q x m), q drawn
+    uniformly from [0, progress(i)], progress growing linearly to 1 over crop_curriculum x steps."""
     path = crop_file(tmp_path)
     recipe = task_recipe(**{"data.task": str(path), "data.crop_curriculum": 0.5, "data.item_separator": " ",
                             "data.warmup_steps": 10, "train.steps": 110, "data.separator": False})
@@ -558,7 +558,7 @@ def test_the_crop_curriculum_keeps_a_growing_share_of_the_unneeded_statements(tm
             [full] = [ln[:-1] for ln in lines if ln[-1] == query]            # its line
             needed = [s for s in full if s.split(">")[1] in [*ex.meta["trace"], ex.answer]]
             spare = len(full) - len(needed)
-            assert set(needed) <= set(kept) and len(kept) - len(needed) == (1 + round(keep * (spare - 1)) if spare else 0)
+            assert set(needed) <= set(kept) and len(kept) - len(needed) == round(keep * spare)
     late = [sampler.keep(i) for i in range(65, 110)]
     assert max(late) > 0.8 and min(late) < 0.2           # after the ramp: the whole range
 

@@ -411,16 +411,16 @@ def _names(item: str, name: str) -> bool:
 
 
 def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> Example:
-    """`ex` with 1 + round(keep x (m - 1)) of its m unneeded items left (none if m = 0), chosen by rng,
-    in their order. Needed: the last item (the query) and every item naming a trace entry or the
-    answer as a word; in a pointer chase each statement on the queried chain names its target (the
-    next name, or at the end the answer), so dropping the others never changes the answer. At least
-    one other stays because a prompt of needed statements alone is solved without the lookup (copy
-    the one value there is), so it teaches none. Blank pieces stay."""
+    """`ex` with round(keep x m) of its m unneeded items left, chosen by rng, in their order. Needed:
+    the last item (the query) and every item naming a trace entry or the answer as a word; in a
+    pointer chase each statement on the queried chain names its target (the next name, or at the
+    end the answer), so dropping the others never changes the answer. (Keeping at least one
+    distractor, so that a one-hop prompt is never the lone statement, measured worse: docs/tasks.md.)
+    Blank pieces stay."""
     items = ex.prompt.split(separator)
     names = [*ex.meta["trace"], ex.answer]
     spare = [i for i, item in enumerate(items[:-1]) if item.strip() and not any(_names(item, n) for n in names)]
-    kept = 1 + round(keep * (len(spare) - 1)) if spare else 0
+    kept = round(keep * len(spare))
     drop = set(rng.sample(spare, len(spare) - kept))
     return replace(ex, prompt=separator.join(item for i, item in enumerate(items) if i not in drop),
                    meta={**ex.meta, "crop": (kept, len(spare))})
