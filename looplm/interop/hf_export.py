@@ -73,7 +73,7 @@ TRAINING_ONLY: dict[str, tuple[str, ...]] = {
                     "moe_z", "mor_balance", "mor_z", "mor_bias_rate", "mor_aux", "fixed_point", "fixed_point_rounds"),
     "data": ("path", "text_field", "task", "max_bytes", "val_fraction", "seq_len", "difficulty_min",
              "difficulty_max", "task_length", "train_length_min", "length_unit", "item_separator", "warmup_steps",
-             "curriculum", "length_curriculum",
+             "curriculum", "length_curriculum", "crop_curriculum",
              "separator", "depth_by_difficulty", "round_targets", "eval_difficulty_max", "eval_rounds_max",
              "eval_examples", "probe_examples", "baselines"),
     "optim": ("lr", "min_lr_ratio", "schedule", "warmup_steps", "decay_fraction", "weight_decay", "beta1", "beta2",
