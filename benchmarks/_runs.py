@@ -74,3 +74,16 @@ def server(run: Path, log_path: Path, threads: int, *flags: str) -> Iterator[tup
         finally:
             proc.terminate()
             proc.wait(timeout=15)
+
+
+def extrapolate_on(overrides: dict, out: Path, seeds: str) -> int:
+    """`looplm experiment extrapolate` with the built-in `extrapolate` recipe and `overrides`, on seeds
+    "0,1,2": the per-seed verdicts on stdout, the wall time on stderr."""
+    from looplm.experiments.extrapolate import run_extrapolate, summary_lines
+
+    recipe = looplm.load_recipe("extrapolate", overrides)
+    t0 = time.perf_counter()
+    result = run_extrapolate(recipe, out, seeds=[int(s) for s in seeds.split(",")])
+    print("\n".join(summary_lines(result)))
+    print(f"wall time {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
+    return 0

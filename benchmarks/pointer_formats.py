@@ -193,10 +193,8 @@ def main() -> int:
 
 def run(fmt: Format, a: argparse.Namespace) -> int:
     """The extrapolation experiment on one format: task.jsonl holds training and held-out lines."""
-    import time
-
-    from looplm.experiments.extrapolate import run_extrapolate, summary_lines
-    from looplm.recipe.config import load_recipe, parse_override, read_recipe_dict
+    from _runs import extrapolate_on
+    from looplm.recipe.config import parse_override, read_recipe_dict
 
     out = Path(a.out) / ("issue" if a.issue else f"format{a.seed}")
     out.mkdir(parents=True, exist_ok=True)
@@ -213,12 +211,7 @@ def run(fmt: Format, a: argparse.Namespace) -> int:
     crop = float(sets.get("data.crop_curriculum", read_recipe_dict("extrapolate")["data"].get("crop_curriculum", 0)))
     overrides = {"data.task": str(data), **({"data.item_separator": fmt.separator} if crop else {}),
                  **({"model.context": -(-longest // 32) * 32} if longest > 128 else {}), **sets}
-    recipe = load_recipe("extrapolate", overrides)
-    t0 = time.perf_counter()
-    result = run_extrapolate(recipe, out, seeds=[int(s) for s in a.seeds.split(",")])
-    print("\n".join(summary_lines(result)))
-    print(f"wall time {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
-    return 0
+    return extrapolate_on(overrides, out, a.seeds)
 
 
 if __name__ == "__main__":

@@ -110,8 +110,8 @@ def resolve(line: dict, fmt: str) -> str:
 
 
 def main() -> int:
-    from looplm.experiments.extrapolate import run_extrapolate, summary_lines
-    from looplm.recipe.config import load_recipe, parse_override
+    from _runs import extrapolate_on
+    from looplm.recipe.config import parse_override
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=sorted(FORMATS), required=True)
@@ -130,12 +130,7 @@ def main() -> int:
     overrides = {"data.task": str(data), "data.length_unit": "items", "data.item_separator": sep,
                  "data.task_length": LENGTH + 1, "data.train_length_min": 3,
                  **dict(parse_override(s) for s in args.set)}
-    recipe = load_recipe("extrapolate", overrides)
-    t0 = time.perf_counter()
-    result = run_extrapolate(recipe, out, seeds=[int(s) for s in args.seeds.split(",")])
-    print("\n".join(summary_lines(result)))
-    print(f"wall time {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
-    return 0
+    return extrapolate_on(overrides, out, args.seeds)
 
 
 if __name__ == "__main__":
