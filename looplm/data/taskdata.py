@@ -29,7 +29,7 @@ import hashlib
 import math
 import random
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +123,15 @@ class RoundTargets:
     trace: torch.Tensor       # (B, K) token id of each one-token trace entry (padded with 0)
     steps: torch.Tensor       # (B,) trace entries per row (k - 1)
     bags: torch.Tensor | None = None   # (B, K, V) each entry's token distribution, where any has several tokens
+    _built: dict = field(default_factory=dict, repr=False)   # round -> (targets, mask): the step asks twice
 
     def __call__(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(targets, mask) for round r: targets (B, T) ids, or (B, T, V) distributions with bags."""
+        if r not in self._built:
+            self._built[r] = self._build(r)
+        return self._built[r]
+
+    def _build(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = (self.steps >= r).nonzero().squeeze(1)          # rows still before their answer
         if rows.numel() == 0:
             return self.y, self.mask
