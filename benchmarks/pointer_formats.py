@@ -6,6 +6,12 @@ tried on formats no one tuned it for (issue 42).
     python benchmarks/pointer_formats.py --issue --out formats/         # the issue's own file (below)
     python benchmarks/pointer_formats.py --seed 3 --run [--seeds 0,1,2] [--set key=value ...]
     python benchmarks/pointer_formats.py --issue --probe RUN [--difficulties 1,2,4]   # does RUN read the query?
+    python benchmarks/pointer_formats.py --issue --attention RUN [--difficulties 4]  # where its answer looks
+    python benchmarks/pointer_formats.py --issue --format '{"separator": "; "}' --run ...  # one choice changed
+
+`--attention RUN` shows where the answer position of RUN attends, per layer and round, on fresh lines: the
+share on the statement the round should read (hop r's link, with its trailing separator) against an average
+other statement's. `--format JSON` changes fields of the chosen format (a study of one surface choice).
 
 `--issue` writes the format a user tried (issue 42): "k>p p>w w>3 ?k=", single lowercase names, digit
 values, disjoint distractor chains padding every prompt to 10 links. `--run` writes the format's
@@ -36,7 +42,8 @@ import json
 import random
 import string
 import sys
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 NAMES = {"lower": list(string.ascii_lowercase), "upper": list(string.ascii_uppercase),
@@ -150,6 +157,87 @@ def probe(fmt: Format, run_dir: str, difficulties: list[int], n: int = 200) -> N
               f"{sum(p == q for p, q in zip(a, b)) / k:.0%}", flush=True)
 
 
+def spans(fmt: Format, line: dict) -> dict[str, tuple[int, int]]:
+    """Each link's (start, end) byte offsets in the prompt, keyed by its source name; a link's span runs to the
+    end of the separator after it (where a statement ends, which is all a causal model can read it at)."""
+    out, pos = {}, 0
+    for a, b in line["links"]:
+        text = fmt.link.format(a=a, b=b) + fmt.separator
+        out[a] = (len(line["prompt"][:pos].encode()), len(line["prompt"][:pos + len(text)].encode()))
+        pos += len(text)
+    return out
+
+
+@contextmanager
+def answer_attention(rows: list):
+    """Within the block, every attention call appends the last query position's weights (B, H, S) to `rows`,
+    recomputed from its q and k and checked against SDPA's own output for that position."""
+    import torch
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                   enable_gqa=enable_gqa)
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+        s = q[..., -1:, :] @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)     # (B, H, 1, S)
+        if is_causal:   # SDPA's causal mask is aligned top-left: the last of T queries sees keys 0..T-1
+            s = s.masked_fill(torch.arange(k.shape[-2], device=s.device) >= q.shape[-2], float("-inf"))
+        if attn_mask is not None:
+            m = attn_mask[..., -1:, :]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        w = s.softmax(-1)
+        if not torch.allclose(w @ v, out[..., -1:, :], atol=1e-4, rtol=1e-3):
+            raise AssertionError("recomputed attention weights do not reproduce SDPA's output")
+        rows.append(w[..., 0, :])
+        return out
+
+    F.scaled_dot_product_attention = recording
+    try:
+        yield rows
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+def attention(fmt: Format, run_dir: str, hops: int, n: int = 100) -> list[tuple[str, float, float]]:
+    """Where RUN's answer position attends on fresh `hops`-hop lines: per attention call (prelude layers,
+    then each round's core layers, then the coda), the head with the largest share on the link the round
+    should read (hop r's; the prelude and coda: hop 1's) -> (call, that share, its mean share on another link),
+    averaged over lines."""
+    import torch
+    import looplm
+    from looplm.data.tasks import SEPARATOR
+
+    run = looplm.load_run(run_dir)
+    m = run.recipe.model
+    labels = ([f"prelude {i + 1}" for i in range(m.n_prelude)]
+              + [f"round {r + 1} core {i + 1}" for r in range(hops) for i in range(m.n_core)]
+              + [f"coda {i + 1}" for i in range(m.n_coda)])
+    g = random.Random(4242)
+    total = torch.zeros(len(labels), 2)
+    for _ in range(n):
+        line = make_line(fmt, hops, g)
+        where = spans(fmt, line)
+        chain = [line["query"]] + line["trace"]
+        text = line["prompt"] + (SEPARATOR if run.recipe.data.separator else "")
+        rows: list = []
+        with torch.no_grad(), answer_attention(rows):
+            run.model(torch.tensor([run.tokenizer.encode(text)]), rounds=hops)
+        if len(rows) != len(labels):
+            raise SystemExit(f"{len(rows)} attention calls, expected {len(labels)} ({', '.join(labels)})")
+        for c, (label, w) in enumerate(zip(labels, rows)):
+            r = int(label.split()[1]) if label.startswith("round") else 1
+            a, b = where[chain[r - 1]]
+            others = [w[0, :, x:y].sum(-1) for name, (x, y) in where.items() if name != chain[r - 1]]
+            share = w[0, :, a:b].sum(-1)                                            # (H,)
+            best = int(share.argmax())
+            total[c] += torch.tensor([share[best], torch.stack(others)[:, best].mean() if others else 0.0])
+    total /= n
+    return [(label, float(x), float(y)) for label, (x, y) in zip(labels, total)]
+
+
 def write(fmt: Format, path: Path, lines: int, hops: range, seed: int) -> None:
     g = random.Random(seed)
     path.write_text("".join(json.dumps(_public(make_line(fmt, g.choice(list(hops)), g))) + "\n" for _ in range(lines)))
@@ -168,15 +256,24 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--probe", metavar="RUN", help="does RUN (trained on this format) read the query?")
+    ap.add_argument("--attention", metavar="RUN", help="where RUN's answer position attends, per layer and round")
     ap.add_argument("--difficulties", default="1,2,4")
+    ap.add_argument("--format", default="{}", metavar="JSON", help='change fields of the format, e.g. {"separator": "; "}')
     a = ap.parse_args()
+    chosen = lambda s: replace(ISSUE if a.issue else draw_format(s), **json.loads(a.format))  # noqa: E731
     if a.probe:
-        probe(ISSUE if a.issue else draw_format(a.seed), a.probe, [int(x) for x in a.difficulties.split(",")])
+        probe(chosen(a.seed), a.probe, [int(x) for x in a.difficulties.split(",")])
+        return 0
+    if a.attention:
+        for d in (int(x) for x in a.difficulties.split(",")):
+            print(f"{d} hops: the head with the largest share on the link the round reads; that head on another link")
+            for label, share, other in attention(chosen(a.seed), a.attention, d):
+                print(f"  {label:<18} {share:6.1%}  {other:6.1%}")
         return 0
     if a.run:
-        return run(ISSUE if a.issue else draw_format(a.seed), a)
+        return run(chosen(a.seed), a)
     for s in range(a.seed, a.seed + a.count):
-        fmt = ISSUE if a.issue else draw_format(s)
+        fmt = chosen(s)
         if a.describe:
             print(s, json.dumps(asdict(fmt)), "\n  ", make_line(fmt, 3, random.Random(s))["prompt"][:200])
             continue

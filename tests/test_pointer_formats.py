@@ -99,3 +99,55 @@ def test_the_probe_asks_about_another_chain_with_another_answer(seed):
         assert prompt.split(fmt.separator)[:-1] == line["prompt"].split(fmt.separator)[:-1]
         assert read_answer(fmt, prompt)[0] == other[1] != line["answer"]
     assert found > 10
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_link_spans_cut_the_prompt_into_its_statements(seed):
+    """--attention's spans: read in order, each span's bytes are one statement the independent split finds, with the
+    separator after it, and they cover the prompt up to the query."""
+    fmt = pf.draw_format(seed)
+    g = random.Random(seed)
+    for hops in (1, 3, 8):
+        line = pf.make_line(fmt, hops, g)
+        where = sorted(pf.spans(fmt, line).values())
+        raw = line["prompt"].encode()
+        *statements, query = line["prompt"].split(fmt.separator)
+        assert [raw[a:b].decode() for a, b in where] == [st + fmt.separator for st in statements]
+        assert where[0][0] == 0 and all(x[1] == y[0] for x, y in zip(where, where[1:]))
+        assert raw[where[-1][1]:].decode() == query
+
+
+def test_the_recorded_attention_is_what_sdpa_computed():
+    """answer_attention's weights for the last position, from a float64 recomputation with the mask written out
+    here, and one row per attention call of a looped forward (prelude, each round's core, coda)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 4, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 7, 7, generator=g) > 0.3
+    mask[..., -1, 0] = True
+    rows: list = []
+    with pf.answer_attention(rows):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q[..., :5, :], k, v, is_causal=True)    # 5 queries, 7 keys: top-left aligned
+    assert len(rows) == 3
+    s = (q[..., -1, :].double().unsqueeze(-2) @ k.double().transpose(-1, -2)).squeeze(-2) / 2.0   # (2, 3, 7)
+    torch.testing.assert_close(rows[0].double(), s.softmax(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rows[1].double(), s.masked_fill(~mask[..., -1, :], float("-inf")).softmax(-1),
+                               atol=1e-5, rtol=1e-5)
+    s5 = (q[..., 4, :].double().unsqueeze(-2) @ k.double().transpose(-1, -2)).squeeze(-2) / 2.0
+    torch.testing.assert_close(rows[2].double(), s5.masked_fill(torch.arange(7) > 4, float("-inf")).softmax(-1),
+                               atol=1e-5, rtol=1e-5)
+
+    from looplm.model.looped import build_model
+    from looplm.recipe.config import load_recipe
+
+    recipe = load_recipe("extrapolate", {"model.n_prelude": 2, "model.n_coda": 1})
+    model = build_model(recipe).eval()
+    rows.clear()
+    with torch.no_grad(), pf.answer_attention(rows):
+        model(torch.randint(0, 100, (1, 12), generator=g), rounds=3)
+    assert len(rows) == 2 + 3 * recipe.model.n_core + 1
+    assert all(torch.allclose(w.sum(-1), torch.ones(())) for w in rows)
