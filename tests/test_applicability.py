@@ -50,6 +50,7 @@ WITNESSES: dict[str, list[tuple[Any, dict[str, Any]]]] = {
     "data.train_length_min": [(0, {}), (2, {})],
     "data.length_unit": [("", {}), ("tokens", {}), ("items", {"data.item_separator": "; "})],
     "data.crop_curriculum": [(0.0, {}), (0.5, {"data.item_separator": "; "})],
+    "data.round_targets": [("answer", {}), ("trace", {}), ("query_trace", {"data.item_separator": "; "})],
     "supervision.fixed_point": [(0.0, {}), (0.5, {})],
     "model.injection": [("add", {}), ("decay", {}), ("concat", {}), ("none", {"model.init_state": "prelude"})],
     "model.round_update": [("plain", {}), ("damped", {}), ("euler", {})],

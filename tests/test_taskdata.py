@@ -595,3 +595,66 @@ def test_the_report_counts_what_the_crop_curriculum_dropped(tmp_path):
     assert report["crop_counts"] == {"lines": lines, "spare": spare, "kept": kept}
     assert 0 < kept < spare
     assert "crop_counts" not in train(task_recipe(**over), tmp_path / "plain", quiet=True)
+
+
+def test_query_trace_reads_the_queried_name_then_the_trace_a_round_later():
+    """data.round_targets = query_trace on the built-in chain: round 1 reads out the name the prompt asks
+    about, round r + 1 < k + 1 the name r hops along (walked here by hand), rounds from k + 1 on the answer;
+    a k-hop micro-batch runs at least k + 1 rounds and supervises every round."""
+    recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": "query_trace",
+                            "data.difficulty_max": 3, "depth.max": 4})
+    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
+    seen = set()
+    for index in range(12):
+        x, y, opts = sampler.batch(index)
+        examples = sampler.examples(index)
+        k = examples[0].difficulty
+        seen.add(k)
+        assert opts["rounds"] >= k + 1 and opts["supervision"].rounds == tuple(range(1, opts["rounds"] + 1))
+        for r in range(1, opts["rounds"] + 1):
+            yr, mr = opts["round_targets"](r)
+            if r >= k + 1:
+                assert torch.equal(yr, y) and torch.equal(mr, opts["mask"])
+                continue
+            assert mr.sum(-1).tolist() == [1] * len(examples)
+            for i, ex in enumerate(examples):
+                binding = dict(s.split("=") for s in ex.prompt.split("; ? ")[0].split("; "))
+                name = ex.prompt.rsplit("? ", 1)[1]
+                for _ in range(r - 1):
+                    name = binding[name]
+                j = int(mr[i].nonzero())
+                assert j == int(opts["mask"][i].nonzero()[0]) and yr[i, j].item() == TOK.encode(name)[0]
+    assert seen == {1, 2, 3}
+
+
+def test_query_trace_on_a_jsonl_file_finds_the_queried_name_in_the_last_item(tmp_path):
+    """A JSONL line's queried name: the one word of its last item that another item names, read here from
+    lines written with it; a several-token name is a bag at round 1; lines where the last item names none or
+    two, and a file without data.item_separator, are refused naming the line or the field."""
+    from looplm.data.taskdata import example_trace, read_task_file, round_targets
+    lines = [{"prompt": "ox>elk | elk>7 | q>3 | Where does ox lead?", "answer": "7", "difficulty": 2, "trace": ["elk"]},
+             {"prompt": "b>c | c>1 | a>b | follow a", "answer": "1", "difficulty": 3, "trace": ["b", "c"]},
+             {"prompt": "x>5 | ?x=", "answer": "5", "difficulty": 1, "trace": []}]
+    path = write_jsonl(tmp_path / "t.jsonl", lines * 2)
+    recipe = task_recipe(**{"data.task": str(path), "data.round_targets": "query_trace", "data.item_separator": " | ",
+                            "data.depth_by_difficulty": True, "depth.max": 4, "data.separator": False})
+    examples = read_task_file(path, recipe, traces=True)[:3]
+    assert [example_trace(ex, str(path), " | ") for ex in examples] == [["ox", "elk"], ["a", "b", "c"], ["x"]]
+    b = encode_examples(TOK, examples, recipe.model.context, False)
+    rt = round_targets(TOK, examples, b, recipe.data.task, recipe.model.vocab_size, " | ")
+    y1, m1 = rt(1)
+    first = [p - 1 for p in b.prompt_lens]
+    assert m1.nonzero()[:, 1].tolist() == first
+    assert torch.allclose(y1[0, first[0], [ord("o"), ord("x")]], torch.tensor([0.5, 0.5]))      # "ox": a bag
+    assert y1[1, first[1], ord("a")] == 1 and y1[2, first[2], ord("x")] == 1
+    y3, m3 = rt(3)
+    assert y3[1, first[1], ord("c")] == 1 and torch.equal(m3[[0, 2]], b.mask[[0, 2]])   # rows 0, 2: the answer
+    for bad, words in (("y>5 | x>y | ?x= or y", "2 words"), ("x>5 | ?z=", "no word")):
+        path = write_jsonl(tmp_path / "bad.jsonl", lines + [{"prompt": bad, "answer": "5", "difficulty": 1, "trace": []}])
+        with pytest.raises(UserError, match=f"line 4: the last item .*holds {words}"):
+            read_task_file(path, task_recipe(**{"data.task": str(path), "data.round_targets": "query_trace",
+                                                "data.item_separator": " | "}), traces=True)
+    with pytest.raises(UserError, match="data.item_separator"):
+        task_recipe(**{"data.task": str(path), "data.round_targets": "query_trace"})
+    with pytest.raises(UserError, match="no trace of intermediate results and queried name"):
+        TaskSource(task_recipe(**{"data.task": "parity", "data.round_targets": "query_trace"}))

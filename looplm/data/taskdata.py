@@ -10,8 +10,9 @@ When a recipe sets `data.task` (a built-in generator of looplm.tasks, or a JSONL
     TaskSampler     the training batch of global micro-batch i: one difficulty per micro-batch
                     (under the curriculum), right-padded, with the answer-only loss mask; with
                     data.depth_by_difficulty also the rounds to run and the rounds to supervise
-    RoundTargets    data.round_targets = "trace": what each round is trained to read out (the
-                    intermediate result after r steps, then the answer)
+    RoundTargets    data.round_targets = "trace" / "query_trace": what each round is trained to read
+                    out (the queried name with query_trace, the intermediate result after r steps,
+                    then the answer)
     score_task_sets exact-match accuracy and answer loss by rounds and by difficulty x rounds: the
                     one task evaluation, behind the trainer's report and `looplm eval` on a task run
                     (its held-out examples, or another JSONL file with --data)
@@ -37,7 +38,7 @@ import torch
 
 from ..recipe.config import DataConfig, Recipe, SupervisionConfig
 from ..errors import UserError
-from .tasks import SEPARATOR, TASKS, TRACERS, Example, answer_mask, format_example, load_jsonl
+from .tasks import QUERIED, SEPARATOR, TASKS, TRACERS, Example, answer_mask, format_example, load_jsonl
 from .tokenizer import ByteTokenizer
 
 # Seeds of the generator streams. Training micro-batch i of run seed s draws from seed
@@ -112,7 +113,8 @@ def encode_examples(tok: Any, examples: list[Example], context: int | None = Non
 class RoundTargets:
     """Per-round targets of one batch (data.round_targets = "trace"). A row whose example has
     k - 1 trace entries is trained, at rounds r < k, on trace[r - 1] at the answer's first
-    position and nothing else; from round k on, on the whole answer (y, mask). An entry of several
+    position and nothing else; from round k on, on the whole answer (y, mask). ("query_trace":
+    the queried name is entry 0, so everything comes a round later.) An entry of several
     tokens (a two-letter name, a word) is a bag of them there: the target is the distribution
     putting 1/n on each of its n tokens (its cross-entropy is the mean of each token's), so the
     state must tell that entry from the others without the readout spelling it out."""
@@ -147,19 +149,45 @@ class RoundTargets:
         return y, mask
 
 
-def example_trace(ex: Example, task: str) -> list[str]:
-    """An example's intermediate results: a JSONL line's "trace", else the built-in task's tracer."""
-    if "trace" in ex.meta:
-        return ex.meta["trace"]
-    if task in TRACERS:
-        return TRACERS[task](ex.prompt)
-    return []
+def example_trace(ex: Example, task: str, query_separator: str | None = None) -> list[str]:
+    """An example's intermediate results: a JSONL line's "trace", else the built-in task's tracer; with
+    `query_separator` (data.round_targets = "query_trace": a JSONL file's data.item_separator, "" for a
+    built-in task) the queried name first."""
+    trace = ex.meta["trace"] if "trace" in ex.meta else TRACERS[task](ex.prompt) if task in TRACERS else []
+    if query_separator is None:
+        return trace
+    return [queried_name(ex, task, query_separator), *trace]
 
 
-def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str, vocab: int) -> RoundTargets:
+def query_split(recipe: Recipe) -> str | None:
+    """example_trace's `query_separator` for a recipe: None unless data.round_targets = "query_trace"."""
+    return recipe.data.item_separator if recipe.data.answer_round_offset else None
+
+
+def queried_name(ex: Example, task: str, separator: str) -> str:
+    """The name `ex` asks about: a built-in task's (tasks.QUERIED), or in a JSONL prompt split at `separator`
+    the one word of its last item (the query) that another item names as a word ("k>p p>w ?k=" -> "k";
+    "... Where does delta lead?" -> "delta"). UserError, naming the line, when there is not exactly one."""
+    if is_builtin(task):
+        return QUERIED[task](ex.prompt)
+    *items, query = ex.prompt.split(separator)
+    words = dict.fromkeys(re.findall(r"[0-9A-Za-z_]+", query))
+    named = [w for w in words if any(_names(item, w) for item in items)]
+    if len(named) != 1:
+        raise UserError(f"recipe field data.round_targets = \"query_trace\": {_where(ex)}: the last item {query!r} "
+                        f"(split at data.item_separator = {separator!r}) holds "
+                        + ("no word" if not named else f"{len(named)} words ({', '.join(named)})")
+                        + " that another item names, where one (the queried name) is needed; check "
+                        "data.item_separator, or use round_targets = \"trace\"")
+    return named[0]
+
+
+def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str, vocab: int,
+                  query_separator: str | None = None) -> RoundTargets:
     """The RoundTargets of an encoded batch over a readout of `vocab` ids; entries of several tokens
-    become bags (RoundTargets.bags). Entries are non-empty strings (load_jsonl refuses others)."""
-    traces = [[tok.encode(t) for t in example_trace(ex, task)] for ex in examples]
+    become bags (RoundTargets.bags). Entries are non-empty strings (load_jsonl refuses others). With
+    `query_separator` (example_trace) round 1 reads out the queried name and the trace comes a round later."""
+    traces = [[tok.encode(t) for t in example_trace(ex, task, query_separator)] for ex in examples]
     K = max(1, max(len(t) for t in traces))
     trace = torch.tensor([[i[0] for i in t] + [0] * (K - len(t)) for t in traces], dtype=torch.long)
     bags = None
@@ -193,10 +221,11 @@ class TaskSource:
         self.unused_counts: dict[int, int] = {}  # JSONL lines outside difficulty_min..the evaluated maximum
         self.levelled = True                     # False: a JSONL file whose lines give no "difficulty"
         self.crop = False                        # data.crop_curriculum: training prompts lose unneeded items
-        if self.builtin and d.round_targets == "trace" and d.task not in TRACERS:
-            raise UserError(f"recipe field data.round_targets = \"trace\": task {d.task} has no trace of "
-                            f"intermediate results (tasks with one: {', '.join(TRACERS)}; a JSONL file can give "
-                            f"\"trace\" lists)")
+        if self.builtin and d.traced and (d.task not in TRACERS or (d.answer_round_offset and d.task not in QUERIED)):
+            raise UserError(f"recipe field data.round_targets = \"{d.round_targets}\": task {d.task} has no trace of "
+                            f"intermediate results" + (" and queried name" if d.answer_round_offset else "")
+                            + f" (tasks with one: {', '.join(QUERIED if d.answer_round_offset else TRACERS)}; "
+                            f"a JSONL file can give \"trace\" lists)")
         if self.builtin:
             spec = TASKS[d.task]
             if d.difficulty_min < spec.min_difficulty:
@@ -217,7 +246,7 @@ class TaskSource:
             self._train_pool: dict[int, list[Example]] = {}
             self._eval_pool: dict[int, list[Example]] = {}
         else:
-            self._split_file(read_task_file(d.task, recipe, traces=d.round_targets == "trace"), d)
+            self._split_file(read_task_file(d.task, recipe, traces=d.traced), d)
             self._check_difficulty_dials(recipe)
             if self.length_unit:
                 self._select_lengths(d)
@@ -471,7 +500,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> list[Example]:
     """A JSONL file's examples, checked before anything runs: tasks.load_jsonl's checks, every
     example within model.context, a "difficulty" on every line or on none, and with traces=True
-    (training with data.round_targets = "trace") one-token traces. UserError names the line."""
+    (training with data.round_targets = "trace" or "query_trace") traces it can build round targets from
+    (with "query_trace", one queried name per line). UserError names the line."""
     examples = load_jsonl(path)
     given = [ex for ex in examples if ex.meta["difficulty"] is not None]
     if given and len(given) < len(examples):
@@ -493,7 +523,7 @@ def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> li
     for ex in examples:
         b = encode_examples(tok, [ex], context, recipe.data.separator)
         if traces:
-            round_targets(tok, [ex], b, recipe.data.task, recipe.model.vocab_size)
+            round_targets(tok, [ex], b, recipe.data.task, recipe.model.vocab_size, query_split(recipe))
     return examples
 
 
@@ -546,15 +576,15 @@ class TaskSampler:
 
     def depth_plan(self, level: int, index: int) -> tuple[int, SupervisionConfig]:
         """data.depth_by_difficulty: (rounds to run, supervision of every round from `level` on,
-        or from round 1 with trace targets)."""
+        or from round 1 with trace targets); query_trace runs at least level + 1 rounds."""
         d, r = self.recipe.depth, self.recipe
         if r.model.untied or d.kind == "fixed":
             rounds = d.rounds
         else:
-            lo = max(level, d.min, 1)
+            lo = max(level + r.data.answer_round_offset, d.min, 1)   # query_trace: a round before the first hop
             hi = max(lo, d.max)
             rounds = random.Random(f"looplm.taskdata/rounds/{r.train.seed}/{index}").randint(lo, hi)
-        first = 1 if r.data.round_targets == "trace" else max(1, min(level, rounds))
+        first = 1 if r.data.traced else max(1, min(level, rounds))
         return rounds, SupervisionConfig(kind="rounds", rounds=tuple(range(first, rounds + 1)))
 
     def keep(self, index: int) -> float:
@@ -596,9 +626,9 @@ class TaskSampler:
             b = TaskBatch(b.x[rows], b.y[rows], b.mask[rows], b.prompt_lens[rows], b.lengths[rows],
                           b.difficulties[rows])
         opts: dict[str, Any] = {"mask": b.mask, "valid": b.real_inputs()}   # valid: what counts as tokens seen
-        if self.recipe.data.round_targets == "trace":
+        if self.recipe.data.traced:
             opts["round_targets"] = round_targets(self.tok, examples, b, self.recipe.data.task,
-                                                   self.recipe.model.vocab_size)
+                                                   self.recipe.model.vocab_size, query_split(self.recipe))
         if self.recipe.data.depth_by_difficulty:
             opts["rounds"], opts["supervision"] = self.depth_plan(drawn[0].difficulty, index)
         return b.x, b.y, opts

@@ -365,9 +365,16 @@ def trace_chain(prompt: str) -> list[str]:
     return out
 
 
+def query_chain(prompt: str) -> str:
+    """The name a chain prompt asks about: "c=b; a=7; b=a; ? c" -> "c"."""
+    return _parse(prompt, "chain")[1]
+
+
 # Intermediate results step by step, for data.round_targets = "trace": round r of a looped model
 # can be trained to read out trace[r - 1] (a k-step example has k - 1 entries).
 TRACERS: dict[str, Callable[[str], list[str]]] = {"chain": trace_chain}
+# The name a prompt asks about, for data.round_targets = "query_trace" (round 1 reads it out).
+QUERIED: dict[str, Callable[[str], str]] = {"chain": query_chain}
 
 
 SOLVERS: dict[str, Callable[[str], str]] = {

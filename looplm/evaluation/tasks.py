@@ -336,9 +336,13 @@ def task_report(model: torch.nn.Module, recipe: Recipe, sampler: TaskSampler, so
     if recipe.data.depth_by_difficulty:  # the recipe card's depth/supervision lines are overridden
         report["sections"].insert(0, {"title": "Depth by difficulty", "markdown": (
             "data.depth_by_difficulty is on: each micro-batch held one difficulty d, ran a number of rounds drawn "
-            "uniformly from max(d, depth.min)..depth.max (an untied model: its fixed depth), and supervised "
-            + ("every round with equal weights, round r < d on the example's trace (the intermediate result after "
-               "r steps) and the final round and rounds from d on on the answer"
-               if recipe.data.round_targets == "trace" else "every round from d on with equal weights")
+            + ("uniformly from max(d + 1, depth.min)..depth.max (an untied model: its fixed depth), and supervised "
+               "every round with equal weights, round 1 on the name the prompt asks about, round r + 1 < d + 1 on "
+               "the example's trace (the intermediate result after r steps), and the final round and rounds from "
+               "d + 1 on on the answer" if recipe.data.round_targets == "query_trace" else
+               "uniformly from max(d, depth.min)..depth.max (an untied model: its fixed depth), and supervised "
+               + ("every round with equal weights, round r < d on the example's trace (the intermediate result after "
+                  "r steps) and the final round and rounds from d on on the answer"
+                  if recipe.data.round_targets == "trace" else "every round from d on with equal weights"))
             + ". The sampled-depth and supervised-round histograms above count what actually ran.")})
     return report

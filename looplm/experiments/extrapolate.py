@@ -703,6 +703,12 @@ def _setting_lines(result: dict[str, Any]) -> list[str]:
            f"{result['train_difficulty_max']} hops; the per-round signal fixes what one round computes (one hop), "
            "so whether more rounds solve longer chains is what the tables below test.", ""]
           if rec["data"].get("round_targets") == "trace" else []),
+        *(["Round targets: `query_trace`. Every round was supervised; round 1 was trained to read out the name the "
+           "prompt asks about, round r + 1 of a k-hop training example the name reached after r hops (r < k), and "
+           "the final round and rounds from k + 1 on the answer: a k-hop chain needs k + 1 rounds. The models never "
+           f"saw more than {result['train_difficulty_max']} hops; whether more rounds solve longer chains is what "
+           "the tables below test.", ""]
+          if rec["data"].get("round_targets") == "query_trace" else []),
     ]
 
 

@@ -444,11 +444,13 @@ class DataConfig:
     """Task data: 0 = every training prompt has task_length items; else each micro-batch draws its length uniformly from max(this, the difficulty's minimum)..task_length (evaluation always uses task_length). A JSONL file (with data.length_unit) selects its lines by length instead: 0 = lines of exactly task_length (0: every line); else each micro-batch draws one length uniformly among the difficulty's line lengths in that window and trains on lines of it (evaluation uses every held-out line)."""
     length_unit: Literal["", "tokens", "items"] = applies(JSONL_TASK, default="")
     """Task data, a JSONL file: the unit its prompt lengths are counted in for task_length, train_length_min and length_curriculum: tokens (the prompt's tokens as written) or items (non-blank pieces of the prompt split at data.item_separator); empty = no length dials (prompts used as written)."""
-    item_separator: str = applies(JSONL_TASK, Condition(("data.length_unit", "data.crop_curriculum"),
-                                                        lambda unit, crop: unit == "items" or crop > 0,
-                                                        'data.length_unit is "items" or data.crop_curriculum > 0'),
+    item_separator: str = applies(JSONL_TASK, Condition(("data.length_unit", "data.crop_curriculum", "data.round_targets"),
+                                                        lambda unit, crop, targets: unit == "items" or crop > 0
+                                                        or targets == "query_trace",
+                                                        'data.length_unit is "items", data.crop_curriculum > 0 or '
+                                                        'data.round_targets is "query_trace"'),
                                   default="")
-    """Task data, data.length_unit = "items" or data.crop_curriculum: the string between a prompt's statements (e.g. "; " or "\\n")."""
+    """Task data, data.length_unit = "items", data.crop_curriculum or data.round_targets = "query_trace": the string between a prompt's statements (e.g. "; " or "\\n"); the last item is the query."""
     warmup_steps: int = applies(TASK_DATA, default=0)
     """Task data: the first this many steps train only difficulty_min, on the shortest prompts when train_length_min is set, so the basic lookup forms where it is easiest to find."""
     curriculum: float = applies(TASK_DATA, default=0.0)
@@ -461,8 +463,8 @@ class DataConfig:
     """Task data: end each prompt with tasks.SEPARATOR before the answer; false reads the answer off the prompt's last token (built-in prompts end with their query), one attention composition fewer to learn."""
     depth_by_difficulty: bool = applies(TASK_DATA, default=False)
     """Task data: each micro-batch holds one difficulty d; its rounds are drawn uniformly from max(d, depth.min)..depth.max and every round from d on is supervised (overrides depth.kind and supervision; an untied model runs its fixed depth)."""
-    round_targets: Literal["answer", "trace"] = applies(TASK_DATA, default="answer")
-    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list; an entry of several tokens is trained as the bag of its tokens, 1/n each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised."""
+    round_targets: Literal["answer", "trace", "query_trace"] = applies(TASK_DATA, default="answer")
+    """Task data: what a supervised round reads out. answer: the answer at every supervised round. trace: a k-step example trains round r < k on its intermediate result after r steps (chain: the name reached after r hops; a JSONL line: its "trace" list; an entry of several tokens is trained as the bag of its tokens, 1/n each) at the answer's first position, and rounds from k on (and always the final round run) on the answer; with depth_by_difficulty every round from 1 is supervised. query_trace: as trace, one round later, and round 1 reads out the name the prompt asks about (chain: the queried name; a JSONL line: the one word of its last item, split at data.item_separator, that another item names), so every later round turns the name it holds into the next one; a k-step example needs k + 1 rounds (depth_by_difficulty runs at least that many)."""
     eval_difficulty_max: int = applies(TASK_DATA, default=0)
     """Task data: largest evaluated difficulty; 0 = 2 x difficulty_max."""
     eval_rounds_max: int = applies(TASK_DATA, default=0)
@@ -473,6 +475,17 @@ class DataConfig:
     """Experiment: examples per probed difficulty for the linear probes (half fit, half test); 0 = no probes."""
     baselines: tuple[str, ...] = applies(TASK_DATA, default=("untied_same_params", "untied_same_compute"))
     """Experiment: models trained beside the looped one: untied_same_params, untied_same_compute, lstm."""
+
+    @property
+    def traced(self) -> bool:
+        """Whether rounds before the answer read out intermediate results (round_targets trace or query_trace)."""
+        return self.round_targets in ("trace", "query_trace")
+
+    @property
+    def answer_round_offset(self) -> int:
+        """Rounds before a k-step example's answer beyond its k - 1 trace entries: 1 with query_trace (round 1
+        reads out the queried name), else 0."""
+        return 1 if self.round_targets == "query_trace" else 0
 
     def __post_init__(self) -> None:
         _check(self.max_bytes >= 1000, "data.max_bytes", "must be >= 1000")
@@ -491,6 +504,10 @@ class DataConfig:
                "data.item_separator",
                "must be set for data.crop_curriculum (the string between a prompt's statements, e.g. \" \" or \"; \")")
         _check(self.warmup_steps >= 0, "data.warmup_steps", "must be >= 0")
+        _check(self.round_targets != "query_trace" or bool(self.item_separator) or not self.task
+               or _builtin_task(self.task), "data.item_separator",
+               'must be set for data.round_targets = "query_trace" with a JSONL file (the string between a prompt\'s '
+               'statements: its last item holds the queried name)')
         _check(self.length_unit != "items" or bool(self.item_separator), "data.item_separator",
                'must name the string between a prompt\'s statements when data.length_unit = "items"')
         _check(self.eval_difficulty_max == 0 or self.eval_difficulty_max >= self.difficulty_min,
@@ -704,10 +721,11 @@ class Recipe:
             _check(self.exit.gate, "exit.gate", f"must be true when supervision.kind = {self.supervision.kind}")
         if self.train.stage == 2:
             _check(self.exit.gate, "exit.gate", "must be true for train.stage = 2 (only the gate trains)")
-        if self.data.round_targets == "trace":
-            _check(bool(self.data.task), "data.round_targets", '"trace" needs task data (data.task)')
+        if self.data.traced:
+            t = self.data.round_targets
+            _check(bool(self.data.task), "data.round_targets", f'"{t}" needs task data (data.task)')
             _check(self.supervision.kind not in GATE_KINDS and self.train.stage == 1, "data.round_targets",
-                   '"trace" needs per-round supervision: not supervision.kind = learned_exit or act_mixture or '
+                   f'"{t}" needs per-round supervision: not supervision.kind = learned_exit or act_mixture or '
                    'train.stage = 2')
         if self.model.mor != "none":
             _check(self.depth.kind == "fixed", "model.mor", "needs depth.kind = fixed (the router picks among "

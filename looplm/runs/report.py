@@ -54,7 +54,7 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
         sup = "none for the language model (frozen)"
     elif r.data.depth_by_difficulty:
         sup = ("per micro-batch of one difficulty d (data.depth_by_difficulty): every round from d on (from round 1 "
-               "with trace targets), equal weights")
+               "with trace targets; query_trace: from round 1, the answer from d + 1 on), equal weights")
     elif s.kind == "final":
         sup = "next-token loss on the final round only"
     elif s.kind == "rounds":
