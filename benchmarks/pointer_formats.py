@@ -145,14 +145,16 @@ def probe(fmt: Format, run_dir: str, difficulties: list[int], n: int = 200) -> N
 
     run = looplm.load_run(run_dir)
     g = random.Random(12345)
+    extra = run.recipe.data.answer_round_offset          # query_trace: a round reads the query first
     for d in difficulties:
         lines = [x for x in (make_line(fmt, d, g) for _ in range(4 * n)) if swapped(x)][:n]
         other = [swapped(x) for x in lines]
-        a = greedy_answers(run.model, run.tokenizer, [x["prompt"] for x in lines], d, separator=run.recipe.data.separator)
-        b = greedy_answers(run.model, run.tokenizer, [render(fmt, x["links"], h) for x, (h, _) in zip(lines, other)], d,
+        a = greedy_answers(run.model, run.tokenizer, [x["prompt"] for x in lines], d + extra,
                            separator=run.recipe.data.separator)
+        b = greedy_answers(run.model, run.tokenizer, [render(fmt, x["links"], h) for x, (h, _) in zip(lines, other)],
+                           d + extra, separator=run.recipe.data.separator)
         k = len(lines)
-        print(f"{d} hops at {d} rounds ({k} lines): exact {sum(p == x['answer'] for p, x in zip(a, lines)) / k:.0%}; "
+        print(f"{d} hops at {d + extra} rounds ({k} lines): exact {sum(p == x['answer'] for p, x in zip(a, lines)) / k:.0%}; "
               f"other query: exact {sum(p == t for p, (_, t) in zip(b, other)) / k:.0%}; prediction unchanged "
               f"{sum(p == q for p, q in zip(a, b)) / k:.0%}", flush=True)
 
@@ -203,17 +205,17 @@ def answer_attention(rows: list):
 
 def attention(fmt: Format, run_dir: str, hops: int, n: int = 100) -> list[tuple[str, float, float]]:
     """Where RUN's answer position attends on fresh `hops`-hop lines: per attention call (prelude layers,
-    then each round's core layers, then the coda), the head with the largest share on the link the round
-    should read (hop r's; the prelude and coda: hop 1's) -> (call, that share, its mean share on another link),
-    averaged over lines."""
+    then each round's core layers, then the coda), the head with the largest share on what the round should
+    read (hop r's link; with query_trace round 1 the query, round r + 1 hop r's link; the prelude and coda:
+    hop 1's link) -> (call, that share, its mean share on a link read by no round), averaged over lines."""
     import torch
     import looplm
     from looplm.data.tasks import SEPARATOR
 
     run = looplm.load_run(run_dir)
-    m = run.recipe.model
+    m, extra = run.recipe.model, run.recipe.data.answer_round_offset
     labels = ([f"prelude {i + 1}" for i in range(m.n_prelude)]
-              + [f"round {r + 1} core {i + 1}" for r in range(hops) for i in range(m.n_core)]
+              + [f"round {r + 1} core {i + 1}" for r in range(hops + extra) for i in range(m.n_core)]
               + [f"coda {i + 1}" for i in range(m.n_coda)])
     g = random.Random(4242)
     total = torch.zeros(len(labels), 2)
@@ -224,13 +226,14 @@ def attention(fmt: Format, run_dir: str, hops: int, n: int = 100) -> list[tuple[
         text = line["prompt"] + (SEPARATOR if run.recipe.data.separator else "")
         rows: list = []
         with torch.no_grad(), answer_attention(rows):
-            run.model(torch.tensor([run.tokenizer.encode(text)]), rounds=hops)
+            run.model(torch.tensor([run.tokenizer.encode(text)]), rounds=hops + extra)
         if len(rows) != len(labels):
             raise SystemExit(f"{len(rows)} attention calls, expected {len(labels)} ({', '.join(labels)})")
+        query = (max(y for _, y in where.values()), len(line["prompt"].encode()))      # the query item's span
         for c, (label, w) in enumerate(zip(labels, rows)):
-            r = int(label.split()[1]) if label.startswith("round") else 1
-            a, b = where[chain[r - 1]]
-            others = [w[0, :, x:y].sum(-1) for name, (x, y) in where.items() if name != chain[r - 1]]
+            r = int(label.split()[1]) - extra if label.startswith("round") else 1
+            a, b = where[chain[r - 1]] if r >= 1 else query
+            others = [w[0, :, x:y].sum(-1) for name, (x, y) in where.items() if name not in chain]
             share = w[0, :, a:b].sum(-1)                                            # (H,)
             best = int(share.argmax())
             total[c] += torch.tensor([share[best], torch.stack(others)[:, best].mean() if others else 0.0])
@@ -301,12 +304,14 @@ def run(fmt: Format, a: argparse.Namespace) -> int:
     data = out / "task.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in lines))
     (out / "format.json").write_text(json.dumps(asdict(fmt), indent=1) + "\n")
-    # the format's statement separator for data.crop_curriculum, and a context that holds the longest line
-    # (prompt + answer + its end, in bytes: task runs are byte-tokenized)
+    # the format's statement separator for data.crop_curriculum and round_targets = "query_trace", and a context
+    # that holds the longest line (prompt + answer + its end, in bytes: task runs are byte-tokenized)
     longest = max(len((x["prompt"] + x["answer"]).encode()) + 2 for x in lines)
     sets = dict(parse_override(s) for s in a.set)
-    crop = float(sets.get("data.crop_curriculum", read_recipe_dict("extrapolate")["data"].get("crop_curriculum", 0)))
-    overrides = {"data.task": str(data), **({"data.item_separator": fmt.separator} if crop else {}),
+    data_fields = read_recipe_dict("extrapolate")["data"]
+    crop = float(sets.get("data.crop_curriculum", data_fields.get("crop_curriculum", 0)))
+    query = sets.get("data.round_targets", data_fields.get("round_targets")) == "query_trace"
+    overrides = {"data.task": str(data), **({"data.item_separator": fmt.separator} if crop or query else {}),
                  **({"model.context": -(-longest // 32) * 32} if longest > 128 else {}), **sets}
     return extrapolate_on(overrides, out, a.seeds)
 

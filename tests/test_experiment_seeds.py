@@ -238,6 +238,11 @@ def test_a_failed_lookup_without_short_prompts_says_what_the_recipe_rests_on():
     assert ex.NO_SHORT_PROMPTS in ex.lookup_line({"lookup": one, "recipe": {"data": bare}})
     for curriculum in ({"crop_curriculum": 0.6}, {"train_length_min": 2}):
         line = ex.lookup_line({"lookup": one, "recipe": {"data": {**bare, **curriculum}}})
-        assert ex.NO_SHORT_PROMPTS not in line and "did not form" in line
+        assert ex.NO_SHORT_PROMPTS not in line and ex.NO_QUERY_ROUND not in line and "did not form" in line
+        # with short prompts but round 1 finding the query and the first hop at once: the query round is named
+        line = ex.lookup_line({"lookup": one, "recipe": {"data": {**bare, **curriculum, "round_targets": "trace"}}})
+        assert ex.NO_QUERY_ROUND in line and ex.NO_SHORT_PROMPTS not in line
+        line = ex.lookup_line({"lookup": one, "recipe": {"data": {**bare, **curriculum, "round_targets": "query_trace"}}})
+        assert ex.NO_QUERY_ROUND not in line
     formed = ex.lookup_verdict(results[0], 0.9)
     assert formed["formed"] and ex.NO_SHORT_PROMPTS not in ex.lookup_line({"lookup": formed, "recipe": {"data": bare}})

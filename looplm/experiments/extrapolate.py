@@ -621,14 +621,27 @@ def short_prompts(data: dict[str, Any]) -> str | None:
 
 NO_SHORT_PROMPTS = ("training saw no prompt shorter than its data's (no length or crop curriculum applied); on "
                     "prompts of one length the lookup was not found in our trials: a file of pointer chases with "
-                    "traces can set data.crop_curriculum and data.item_separator (docs/tasks.md)")
+                    "traces can set data.crop_curriculum, data.item_separator and data.round_targets = "
+                    "\"query_trace\" (docs/tasks.md)")
+NO_QUERY_ROUND = ("round 1 had to find the queried name and take the first hop at once (data.round_targets = "
+                  "\"trace\"); where the query is not the prompt's last token, or statements are joined by one "
+                  "space, the lookup was not found that way in our trials, and data.round_targets = \"query_trace\" "
+                  "(round 1 reads out the queried name) found it (docs/tasks.md)")
+
+
+def failure_hint(data: dict[str, Any] | None) -> str:
+    """What a failed lookup's recipe lacked that our trials needed: short prompts, then a round for the query."""
+    if data is None:
+        return ""
+    if short_prompts(data) is None:
+        return f"; {NO_SHORT_PROMPTS}"
+    return f"; {NO_QUERY_ROUND}" if data.get("round_targets") == "trace" else ""
 
 
 def lookup_line(result: dict[str, Any]) -> str | None:
-    """How many seeds formed the lookup (several seeds), or whether the one seed did; where it failed and
-    no curriculum gave short prompts, says so."""
-    data = result.get("recipe", {}).get("data")
-    hint = f"; {NO_SHORT_PROMPTS}" if data is not None and short_prompts(data) is None else ""
+    """How many seeds formed the lookup (several seeds), or whether the one seed did; where it failed, what
+    its recipe lacked that our trials needed (failure_hint)."""
+    hint = failure_hint(result.get("recipe", {}).get("data"))
     if "seeds" in result:
         lk = result["seeds"]["lookup"]
         failed = lk["failed_seeds"]
