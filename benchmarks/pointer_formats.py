@@ -269,7 +269,7 @@ def main() -> int:
         return 0
     if a.attention:
         for d in (int(x) for x in a.difficulties.split(",")):
-            print(f"{d} hops: the head with the largest share on the link the round reads; that head on another link")
+            print(f"{d} hops: the head with the largest share on what the round reads; that head on a link no round reads")
             for label, share, other in attention(chosen(a.seed), a.attention, d):
                 print(f"  {label:<18} {share:6.1%}  {other:6.1%}")
         return 0
