@@ -53,8 +53,12 @@ def describe(recipe_dict: dict[str, Any]) -> list[tuple[str, str]]:
     if r.train.stage == 2:
         sup = "none for the language model (frozen)"
     elif r.data.depth_by_difficulty:
-        sup = ("per micro-batch of one difficulty d (data.depth_by_difficulty): every round from d on (from round 1 "
-               "with trace targets; query_trace: from round 1, the answer from d + 1 on), equal weights")
+        sup = ("per micro-batch of one difficulty d (data.depth_by_difficulty): "
+               + {"trace": "every round from round 1 (trace targets before round d, the answer from d on)",
+                  "query_trace": "every round from round 1 (the queried name at round 1, trace targets before "
+                                 "round d + 1, the answer from d + 1 on)"}.get(r.data.round_targets,
+                                                                               "every round from d on")
+               + ", equal weights")
     elif s.kind == "final":
         sup = "next-token loss on the final round only"
     elif s.kind == "rounds":
