@@ -224,32 +224,38 @@ def test_warmup_then_length_ramp():
     assert {len(e.prompt.split("; ")) - 1 for e in sampler.source.eval_sets(5)[1]} == {10}
 
 
-def test_trace_round_targets_through_the_sampler():
+@pytest.mark.parametrize("kind, extra", [("trace", 0), ("query_trace", 1)])
+def test_trace_round_targets_through_the_sampler(kind, extra):
     """data.round_targets = trace: round r < k reads the name r hops along at the answer's first
-    position only; rounds from k on read the whole answer; every round is supervised."""
-    recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": "trace",
+    position only; rounds from k on read the whole answer; every round is supervised. query_trace:
+    the same a round later, round 1 reading the queried name, and a k-hop micro-batch runs at least
+    k + 1 rounds."""
+    recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": kind,
                             "data.difficulty_max": 3, "depth.max": 4})
     sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
-    for index in range(6):
+    seen = set()
+    for index in range(12):
         x, y, opts = sampler.batch(index)
         examples = sampler.examples(index)
         k = examples[0].difficulty
-        assert opts["supervision"].rounds == tuple(range(1, opts["rounds"] + 1))
+        seen.add(k)
+        assert opts["rounds"] >= k + extra and opts["supervision"].rounds == tuple(range(1, opts["rounds"] + 1))
         targets = opts["round_targets"]
         for r in range(1, opts["rounds"] + 1):
             yr, mr = targets(r)
-            if r >= k:
+            if r >= k + extra:
                 assert torch.equal(yr, y) and torch.equal(mr, opts["mask"])
                 continue
             assert mr.sum(-1).tolist() == [1] * len(examples)
             for i, ex in enumerate(examples):
-                # walk the bindings by hand: r hops from the query
+                # walk the bindings by hand: r - extra hops from the query
                 binding = dict(s.split("=") for s in ex.prompt.split("; ? ")[0].split("; "))
                 name = ex.prompt.rsplit("? ", 1)[1]
-                for _ in range(r):
+                for _ in range(r - extra):
                     name = binding[name]
                 j = int(mr[i].nonzero())
                 assert j == int(opts["mask"][i].nonzero()[0]) and yr[i, j].item() == TOK.encode(name)[0]
+    assert seen == {1, 2, 3}
 
 
 def test_trace_loss_is_the_mean_of_per_round_target_losses():
@@ -595,36 +601,6 @@ def test_the_report_counts_what_the_crop_curriculum_dropped(tmp_path):
     assert report["crop_counts"] == {"lines": lines, "spare": spare, "kept": kept}
     assert 0 < kept < spare
     assert "crop_counts" not in train(task_recipe(**over), tmp_path / "plain", quiet=True)
-
-
-def test_query_trace_reads_the_queried_name_then_the_trace_a_round_later():
-    """data.round_targets = query_trace on the built-in chain: round 1 reads out the name the prompt asks
-    about, round r + 1 < k + 1 the name r hops along (walked here by hand), rounds from k + 1 on the answer;
-    a k-hop micro-batch runs at least k + 1 rounds and supervises every round."""
-    recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": "query_trace",
-                            "data.difficulty_max": 3, "depth.max": 4})
-    sampler = TaskSampler(TaskSource(recipe), TOK, recipe)
-    seen = set()
-    for index in range(12):
-        x, y, opts = sampler.batch(index)
-        examples = sampler.examples(index)
-        k = examples[0].difficulty
-        seen.add(k)
-        assert opts["rounds"] >= k + 1 and opts["supervision"].rounds == tuple(range(1, opts["rounds"] + 1))
-        for r in range(1, opts["rounds"] + 1):
-            yr, mr = opts["round_targets"](r)
-            if r >= k + 1:
-                assert torch.equal(yr, y) and torch.equal(mr, opts["mask"])
-                continue
-            assert mr.sum(-1).tolist() == [1] * len(examples)
-            for i, ex in enumerate(examples):
-                binding = dict(s.split("=") for s in ex.prompt.split("; ? ")[0].split("; "))
-                name = ex.prompt.rsplit("? ", 1)[1]
-                for _ in range(r - 1):
-                    name = binding[name]
-                j = int(mr[i].nonzero())
-                assert j == int(opts["mask"][i].nonzero()[0]) and yr[i, j].item() == TOK.encode(name)[0]
-    assert seen == {1, 2, 3}
 
 
 def test_query_trace_on_a_jsonl_file_finds_the_queried_name_in_the_last_item(tmp_path):
