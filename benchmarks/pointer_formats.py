@@ -10,8 +10,9 @@ tried on formats no one tuned it for (issue 42).
     python benchmarks/pointer_formats.py --issue --format '{"separator": "; "}' --run ...  # one choice changed
 
 `--attention RUN` shows where the answer position of RUN attends, per layer and round, on fresh lines: the
-share on the statement the round should read (hop r's link, with its trailing separator) against an average
-other statement's. `--format JSON` changes fields of the chosen format (a study of one surface choice).
+best head's share on what the round should read (hop r's link, with its trailing separator; with
+data.round_targets = "query_trace" round 1 the query and round r + 1 hop r's link) against its mean share on
+a link no round reads. `--format JSON` changes fields of the chosen format (a study of one surface choice).
 
 `--issue` writes the format a user tried (issue 42): "k>p p>w w>3 ?k=", single lowercase names, digit
 values, disjoint distractor chains padding every prompt to 10 links. `--run` writes the format's
