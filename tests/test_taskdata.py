@@ -226,8 +226,8 @@ def test_warmup_then_length_ramp():
 
 @pytest.mark.parametrize("kind, extra", [("trace", 0), ("query_trace", 1)])
 def test_trace_round_targets_through_the_sampler(kind, extra):
-    """data.round_targets = trace: round r < k reads the name r hops along at the answer's first
-    position only; rounds from k on read the whole answer; every round is supervised. query_trace:
+    """data.round_targets = trace: round r < k reads the name r hops along at the answer's one token
+    (not at its end mark); rounds from k on read the whole answer; every round is supervised. query_trace:
     the same a round later, round 1 reading the queried name, and a k-hop micro-batch runs at least
     k + 1 rounds."""
     recipe = task_recipe(**{"data.depth_by_difficulty": True, "data.round_targets": kind,
@@ -296,18 +296,21 @@ def test_trace_needs_a_task_with_traces(tmp_path, capsys):
 
 
 def test_a_trace_entry_of_several_tokens_is_trained_as_the_bag_of_its_tokens(tmp_path):
-    """Round r < k reads at the answer's first position the mean of the cross-entropies of the r-th
-    entry's tokens (each token once per occurrence), computed here token by token from the logits."""
+    """Round r < k reads, at the position of each of the answer's own tokens (its end mark is not
+    read), the mean of the cross-entropies of the r-th entry's tokens (each token once per occurrence),
+    computed here token by token from the logits; the answer "teal" is four positions, each trained
+    on the chase."""
     from looplm.data.taskdata import read_task_file, round_targets
     from looplm.model.losses import supervised_loss
     from looplm.recipe.config import SupervisionConfig
     lines = [{"prompt": "ox>elk; elk>7; q>3; ?ox=", "answer": "7", "difficulty": 2, "trace": ["elk"]},
              {"prompt": "abba>cd; cd>ee; ee>1; ?abba=", "answer": "1", "difficulty": 3, "trace": ["cd", "ee"]},
-             {"prompt": "x>5; ?x=", "answer": "5", "difficulty": 1, "trace": []}]
+             {"prompt": "x>5; ?x=", "answer": "5", "difficulty": 1, "trace": []},
+             {"prompt": "p>q; q>teal; ?p=", "answer": "teal", "difficulty": 2, "trace": ["q"]}]
     path = write_jsonl(tmp_path / "t.jsonl", lines * 2)
     recipe = task_recipe(**{"data.task": str(path), "data.round_targets": "trace", "data.depth_by_difficulty": True,
                             "depth.max": 3, "data.separator": False})
-    examples = read_task_file(path, recipe, traces=True)[:3]
+    examples = read_task_file(path, recipe, traces=True)[:4]
     b = encode_examples(TOK, examples, recipe.model.context, False)
     rt = round_targets(TOK, examples, b, recipe.data.task, recipe.model.vocab_size)
     model = looplm.build_model(recipe)
@@ -317,11 +320,12 @@ def test_a_trace_entry_of_several_tokens_is_trained_as_the_bag_of_its_tokens(tmp
         logp = torch.log_softmax(out.round_logits[r].double(), -1)
         terms = []
         for row, ex in enumerate(examples):
-            pos = b.prompt_lens[row] - 1                         # the answer's first target index
+            start = b.prompt_lens[row] - 1                       # the answer's first target index
+            answer = range(start, start + len(TOK.encode(ex.answer)))
             if r <= len(ex.meta["trace"]):
                 entry = ex.meta["trace"][r - 1]                      # one byte token per letter
-                terms.append(-sum(logp[row, pos, TOK.encode(ch)[0]] for ch in entry) / len(entry))
-            else:                                                    # the answer, at every answer position
+                terms += [-sum(logp[row, t, TOK.encode(ch)[0]] for ch in entry) / len(entry) for t in answer]
+            else:                                    # the answer and its end mark, at every answer position
                 terms += [-logp[row, t, b.y[row, t]] for t in b.mask[row].nonzero().flatten().tolist()]
         assert abs(info["round_losses"][r] - float(sum(terms) / len(terms))) < 1e-5, r
 

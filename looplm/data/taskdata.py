@@ -112,16 +112,19 @@ def encode_examples(tok: Any, examples: list[Example], context: int | None = Non
 @dataclass
 class RoundTargets:
     """Per-round targets of one batch (data.round_targets = "trace"). A row whose example has
-    k - 1 trace entries is trained, at rounds r < k, on trace[r - 1] at the answer's first
-    position and nothing else; from round k on, on the whole answer (y, mask). ("query_trace":
-    the queried name is entry 0, so everything comes a round later.) An entry of several
-    tokens (a two-letter name, a word) is a bag of them there: the target is the distribution
-    putting 1/n on each of its n tokens (its cross-entropy is the mean of each token's), so the
-    state must tell that entry from the others without the readout spelling it out."""
+    k - 1 trace entries is trained, at rounds r < k, on trace[r - 1] at the position of each of
+    the answer's own tokens (not its end mark) and nothing else; from round k on, on the whole
+    answer (y, mask). ("query_trace": the queried name is entry 0, so everything comes a round
+    later.) Each answer token, not only the first: each position runs its own loop, and an answer
+    of several tokens ("green" beside "grey") is told apart only at its later positions, which
+    must make the same chase (trained at the first alone, all their errors were there). An entry of several tokens (a two-letter name, a word) is a bag of them:
+    the target is the distribution putting 1/n on each of its n tokens (its cross-entropy is the
+    mean of each token's), so the state must tell that entry from the others without the readout
+    spelling it out."""
 
     y: torch.Tensor           # (B, T) the answer targets, as in TaskBatch
     mask: torch.Tensor        # (B, T)
-    first: torch.Tensor       # (B,) target index of the answer's first token
+    chase: torch.Tensor       # (B, T) the answer's own tokens: mask without the end mark
     trace: torch.Tensor       # (B, K) token id of each one-token trace entry (padded with 0)
     steps: torch.Tensor       # (B,) trace entries per row (k - 1)
     bags: torch.Tensor | None = None   # (B, K, V) each entry's token distribution, where any has several tokens
@@ -134,19 +137,15 @@ class RoundTargets:
         return self._built[r]
 
     def _build(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = (self.steps >= r).nonzero().squeeze(1)          # rows still before their answer
-        if rows.numel() == 0:
+        before = self.steps >= r                                # (B,) rows still before their answer
+        if not before.any():
             return self.y, self.mask
-        mask = self.mask.clone()
-        mask[rows] = False
-        mask[rows, self.first[rows]] = True
+        at = self.chase & before[:, None]                       # (B, T) their answer tokens' positions
+        mask = torch.where(before[:, None], at, self.mask)
         if self.bags is not None:
             y = torch.nn.functional.one_hot(self.y, self.bags.shape[-1]).float()      # (B, T, V)
-            y[rows, self.first[rows]] = self.bags[rows, r - 1]
-            return y, mask
-        y = self.y.clone()
-        y[rows, self.first[rows]] = self.trace[rows, r - 1]
-        return y, mask
+            return torch.where(at[..., None], self.bags[:, r - 1, None, :], y), mask
+        return torch.where(at, self.trace[:, r - 1, None], self.y), mask
 
 
 def example_trace(ex: Example, task: str, query_separator: str | None = None) -> list[str]:
@@ -197,8 +196,11 @@ def round_targets(tok: Any, examples: list[Example], b: TaskBatch, task: str, vo
             for k, ids in enumerate(t):
                 for i in ids:
                     bags[row, k, i] += 1.0 / len(ids)
-    return RoundTargets(b.y, b.mask, torch.tensor([p - 1 for p in b.prompt_lens]), trace,
-                        torch.tensor([len(t) for t in traces]), bags)
+    target = torch.arange(b.y.shape[1])                                                # (T,)
+    start = torch.tensor([p - 1 for p in b.prompt_lens])[:, None]                      # (B, 1)
+    size = torch.tensor([len(tok.encode(ex.answer)) for ex in examples])[:, None]      # (B, 1)
+    chase = (target >= start) & (target < start + size)
+    return RoundTargets(b.y, b.mask, chase, trace, torch.tensor([len(t) for t in traces]), bags)
 
 
 # ---------------------------------------------------------------------------------------
