@@ -117,10 +117,10 @@ class RoundTargets:
     answer (y, mask). ("query_trace": the queried name is entry 0, so everything comes a round
     later.) Each answer token, not only the first: each position runs its own loop, and an answer
     of several tokens ("green" beside "grey") is told apart only at its later positions, which
-    must make the same chase (trained at the first alone, all their errors were there). An entry of several tokens (a two-letter name, a word) is a bag of them:
-    the target is the distribution putting 1/n on each of its n tokens (its cross-entropy is the
-    mean of each token's), so the state must tell that entry from the others without the readout
-    spelling it out."""
+    must make the same chase (trained at the first alone, all their errors were there). An entry
+    of several tokens (a two-letter name, a word) is a bag of them: the target is the distribution
+    putting 1/n on each of its n tokens (its cross-entropy is the mean of each token's), so the
+    state must tell that entry from the others without the readout spelling it out."""
 
     y: torch.Tensor           # (B, T) the answer targets, as in TaskBatch
     mask: torch.Tensor        # (B, T)
