@@ -152,3 +152,54 @@ def test_task_loss_reads_out_at_its_positions_only(tmp_path, monkeypatch):
     skipped = x.numel() - supervised.sum().item()
     assert measured_w - measured == pytest.approx(readouts * skipped * 3 * 2 * cfg.d_model * cfg.vocab_size, rel=1e-9)
     assert counters.train_flops == pytest.approx(x.numel() * train_flops_per_token(cfg, hand, x.shape[1]), rel=1e-12)
+
+
+def test_later_rounds_at_the_read_positions_count_what_ran(tmp_path, monkeypatch):
+    """kv_sharing = first without a coda (the extrapolate recipe): a masked task step runs rounds after the first at
+    the read positions only. The same loss and gradients as every position at every round; PyTorch counts fewer
+    products by exactly those positions' rounds (a core block and concat's W_s s, forward and backward: 3x the
+    forward's), and the trainer's record is the visits that ran, by hand."""
+    from looplm.data.taskdata import prepare_task_data
+    from looplm.model.blocks import Block
+    from looplm.model.flops import block_matmul_params
+    from looplm.model.looped import LoopedLM
+    recipe = looplm.load_recipe("extrapolate", {"model.d_model": 32, "model.n_heads": 2, "data.difficulty_max": 3,
+                                                "data.task_length": 8, "train.batch_size": 6})
+    assert recipe.model.kv_sharing == "first" and recipe.model.n_coda == 0 and recipe.model.injection == "concat"
+    _, sampler, _ = prepare_task_data(recipe, tmp_path, write=False)
+    x, y, opts = sampler.batch(7)
+    rounds, (B, T) = opts["rounds"], x.shape
+    read = opts["mask"].bool()
+    for r in opts["supervision"].rounds[:-1]:
+        read |= opts["round_targets"](r)[1].bool()
+    K = int(read.sum(1).max())
+    # each row's positions by hand: its read ones, then its first unread ones up to K
+    pos = torch.tensor([[t for t in range(T) if read[b, t]] + [t for t in range(T) if not read[b, t]][:K - int(read[b].sum())]
+                        for b in range(B)])
+
+    def step(whole: bool):
+        if whole:
+            monkeypatch.setattr(LoopedLM, "later_positions", lambda *a, **k: None)
+        torch.manual_seed(0)
+        model = looplm.build_model(recipe).train()
+        counters, loss = Counters(), []
+        measured = _measured_mm(lambda: loss.append(train_step(model, recipe, x, y, 7, 0, counters, **opts)[0]))
+        monkeypatch.undo()
+        return loss[0], {n: p.grad for n, p in model.named_parameters()}, counters, measured, model.cfg
+
+    loss, grads, counters, measured, cfg = step(whole=False)
+    loss_w, grads_w, counters_w, measured_w, _ = step(whole=True)
+    assert rounds >= 2 and K < T
+    assert loss == pytest.approx(loss_w, rel=1e-5)
+    for n, g in grads.items():
+        assert torch.allclose(g, grads_w[n], rtol=1e-4, atol=1e-6), n
+    d = cfg.d_model
+    per_position_round = 2 * block_matmul_params(cfg) + 2 * d * d
+    assert sum(p.numel() for p in Block(cfg).parameters() if p.dim() == 2) == block_matmul_params(cfg)
+    assert measured_w - measured == pytest.approx(3 * (rounds - 1) * B * (T - K) * per_position_round, rel=1e-12)
+    v = counters.last_visits
+    assert v.later_share == pytest.approx(K / T) and counters_w.last_visits.later_share == 1.0
+    assert v.later_keys_factor == pytest.approx((pos + 1).double().mean().item() / ((T + 1) / 2))
+    assert pass_flops(cfg, v, 0)["total"] * x.numel() == pytest.approx(measured, rel=1e-9)
+    assert counters.train_flops == pytest.approx(x.numel() * train_flops_per_token(cfg, v, T), rel=1e-12)
+    assert counters.train_flops < counters_w.train_flops

@@ -8,6 +8,8 @@ the rule means: a later round of a token cannot see how earlier tokens' states m
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import looplm
@@ -185,3 +187,75 @@ def test_activation_checkpointing_gives_the_same_gradients():
         sum(v.pow(2).mean() for v in out.round_logits.values()).backward()
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _whole(m, x, rounds, **kw):
+    """The forward with every position running every round (the reference the read-positions forward is held to)."""
+    from looplm.model.looped import LoopedLM
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LoopedLM, "later_positions", lambda *a, **k: None)
+        return m(x, rounds, **kw)
+
+
+_MODELS: dict = {}
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_later_rounds_at_the_read_positions_only_equal_every_position(data):
+    """With a loss at some positions (readout_at), rounds after the first run there alone: every round's logits,
+    and every gradient, equal the forward that runs every position every round (float64), for any mask, backward
+    window, injection, initial state, blocks per round and untied stack; what ran is recorded."""
+    injection = data.draw(st.sampled_from(["add", "concat", "decay", "none"]), "injection")
+    init = data.draw(st.sampled_from(["prelude"] if injection == "none" else ["prelude", "zeros", "random"]), "init")
+    n_core, untied = data.draw(st.sampled_from([1, 2]), "n_core"), data.draw(st.booleans(), "untied")
+    key = (injection, init, n_core, untied)
+    if key not in _MODELS:
+        _MODELS[key] = model(**{"model.injection": injection, "model.init_state": init, "model.n_core": n_core,
+                                "model.untied": untied, "model.n_coda": 0}).double().train()
+    m = _MODELS[key]
+    rounds = 4 if untied else data.draw(st.integers(2, 5), "rounds")
+    window = data.draw(st.sampled_from([None, *range(1, rounds + 1)]), "window")
+    B, T = data.draw(st.integers(1, 3), "B"), data.draw(st.integers(2, 14), "T")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 99), "seed"))
+    x = torch.randint(0, 257, (B, T), generator=g)
+    at = torch.rand(B, T, generator=g) < data.draw(st.sampled_from([0.1, 0.3, 1.0]), "share")
+    at[0, data.draw(st.integers(0, T - 1), "t")] = True                   # some position is read
+    wanted = tuple(range(1, rounds + 1))
+    weight = torch.randn(int(at.sum()), 257, generator=g, dtype=torch.float64)
+    got = []
+    for run in (lambda **kw: m(x, rounds, **kw), lambda **kw: _whole(m, x, rounds, **kw)):
+        m.zero_grad()
+        out = run(backward_window=window, readout_rounds=wanted, readout_at=at,
+                  generator=torch.Generator().manual_seed(5))
+        sum((lg * weight).sum() / r for r, lg in out.round_logits.items()).backward()
+        got.append((out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (fast, g_fast), (whole, g_whole) = got
+    for r in wanted:
+        torch.testing.assert_close(fast.round_logits[r], whole.round_logits[r], rtol=0, atol=1e-12)
+    assert g_fast.keys() == g_whole.keys()
+    for n in g_whole:
+        torch.testing.assert_close(g_fast[n], g_whole[n], rtol=0, atol=1e-11, msg=n)
+    counts = at.sum(1)
+    assert whole.later_positions is None and whole.state is not None and fast.state is None
+    assert fast.later_positions.shape == (B, int(counts.max()))
+    for b in range(B):               # each row's read positions in order, then unread ones
+        row = fast.later_positions[b].tolist()
+        read = at[b].nonzero().flatten().tolist()
+        assert row[:len(read)] == read and not at[b, row[len(read):]].any()
+    assert fast.grad_rounds == whole.grad_rounds
+
+
+def test_every_position_runs_where_a_state_is_read_beyond_the_mask():
+    """Where something reads more than the mask's positions (a coda attends over every position, stats keep every
+    state) or no mask is given, every position runs every round."""
+    x = torch.randint(0, 257, (2, 10))
+    at = torch.zeros(2, 10, dtype=torch.bool)
+    at[:, -1] = True
+    assert model(**{"model.n_coda": 1})(x, 3, readout_at=at).later_positions is None
+    m = model(**{"model.n_coda": 0})
+    assert m(x, 3, readout_at=at).later_positions is not None
+    assert m(x, 3, readout_at=at, collect_stats=True).later_positions is None
+    assert m(x, 3).later_positions is None and m(x, 1, readout_at=at).later_positions is None
+    plain = model(**{"model.n_coda": 0, "model.kv_sharing": "none"})
+    assert plain(x, 3, readout_at=at).later_positions is None

@@ -26,6 +26,7 @@ round count at once, because a round's readout does not depend on later rounds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -444,7 +445,13 @@ class TaskSource:
 
 def _names(item: str, name: str) -> bool:
     """Whether `item` holds `name` as a word: not run into letters, digits or _ on either side."""
-    return re.search(rf"(?<![0-9A-Za-z_]){re.escape(name)}(?![0-9A-Za-z_])", item) is not None
+    return _word_pattern(name).search(item) is not None
+
+
+@functools.lru_cache(maxsize=65536)
+def _word_pattern(name: str) -> re.Pattern:
+    """`name` as a whole word, compiled once (every training batch asks about the same few names)."""
+    return re.compile(rf"(?<![0-9A-Za-z_]){re.escape(name)}(?![0-9A-Za-z_])")
 
 
 def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> Example:

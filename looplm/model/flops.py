@@ -49,6 +49,15 @@ class Visits:
     head_share: float = 1.0
     """Share of the tokens at which each readout applies the LM head (a loss's positions, the forward's
     readout_at); the coda runs on every token."""
+    later_share: float = 1.0
+    """Share of the tokens at which the rounds after the first ran (kv_sharing = first with readout_at runs them
+    at the read positions only: LoopOutput.later_positions)."""
+    grad_first: bool | None = None
+    """Whether round 1 is among the rounds with gradient (`LoopOutput.grad_rounds`); None: when the window
+    reaches back to it, the window's rounds ending at the last round."""
+    later_keys_factor: float = 1.0
+    """Mean keys a query of those later rounds attended to, over the causal mean (T + 1) / 2 of every token's:
+    read positions sit late in a row, so their queries see more keys than the average token's."""
 
     @property
     def rounds_budget(self) -> int:
@@ -88,16 +97,24 @@ def pass_flops(cfg, visits: Visits, keys: float, exit_gate: bool = False, input_
     head, adapter, gate = _pieces(cfg, exit_gate)
     once = adapter if input_term_once else 0.0            # W_e e, once a pass
     core_round = cfg.n_core * block_flops(cfg, keys, core=True) + adapter + (0.0 if input_term_once else adapter)
+    # a round after the first, per token of the pass: at the tokens it ran at (Visits.later_share)
+    later_round = visits.later_share * (cfg.n_core * block_flops(cfg, keys * visits.later_keys_factor, core=True)
+                                        + adapter + (0.0 if input_term_once else adapter))
     readout = cfg.n_coda * blk + head * visits.head_share
     router_fwd, router_bwd = router_flops(cfg, visits)
-    fwd = cfg.n_prelude * blk + router_fwd + visits.rounds * (core_round + gate) + once + visits.readouts * readout
+    fwd = (cfg.n_prelude * blk + router_fwd + min(visits.rounds, 1) * core_round
+           + max(visits.rounds - 1, 0) * later_round + visits.rounds * gate + once + visits.readouts * readout)
     # Euler sub-steps (model.round_update = euler): every round after the first visits each core block k times
     k = getattr(cfg, "round_substeps", 1) if getattr(cfg, "round_update", "plain") == "euler" else 1
     substeps = (k - 1) * cfg.n_core * block_flops(cfg, keys, core=True)
     fwd += max(visits.rounds - 1, 0) * substeps
     # W_s s's input gradient is not computed where the state entering the window's first round is a constant
-    skipped = once if visits.grad_rounds and state_enters_constant(cfg, visits) else 0.0
-    bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0) + visits.grad_rounds * core_round
+    first_in = int(bool(visits.grad_rounds) and visits.grad_rounds >= visits.rounds if visits.grad_first is None
+                   else visits.grad_first)
+    skipped = (once * (1.0 if first_in else visits.later_share)
+               if visits.grad_rounds and state_enters_constant(cfg, visits) else 0.0)
+    bwd = 2 * ((cfg.n_prelude * blk if visits.prelude_grad else 0)
+               + first_in * core_round + (visits.grad_rounds - first_in) * later_round
                + (once if visits.grad_rounds else 0.0)
                + (visits.rounds * gate if visits.gate_grad else 0) + visits.grad_readouts * readout
                + min(visits.grad_rounds, max(visits.rounds - 1, 0)) * substeps) + router_bwd - skipped
@@ -108,7 +125,8 @@ def state_enters_constant(cfg, visits: Visits) -> bool:
     """Whether the state entering the backward window's first round carries no gradient: the window
     starts after round 1 (the last grad_rounds rounds have gradient), or round 1 starts from zeros or
     noise rather than the prelude's output."""
-    return visits.rounds - visits.grad_rounds + 1 > 1 or cfg.init_state != "prelude"
+    after_first = visits.rounds - visits.grad_rounds + 1 > 1 if visits.grad_first is None else not visits.grad_first
+    return after_first or cfg.init_state != "prelude"
 
 
 def router_flops(cfg, visits: Visits) -> tuple[float, float]:

@@ -75,6 +75,10 @@ class LoopOutput:
     readout_at: Tensor | None = None
     """(B, T) bool, when the forward was asked for logits at some positions only (a loss's mask): logits
     and round_logits are then (N, V), the N True positions in row-major order (`s[readout_at]`)."""
+    later_positions: Tensor | None = None
+    """(B, K) the positions at which the rounds after the first ran, when they ran at some positions only
+    (`LoopedLM.later_positions`: kv_sharing = first with readout_at): each row's read positions in order,
+    then unread ones its padding computed; `state` is None then. None: every position ran every round."""
 
 
 def deeploop_scales(n_core: int, rounds: int, p: float) -> tuple[float, float]:
@@ -448,7 +452,22 @@ class LoopedLM(nn.Module):
             from .recursions import RoutedVisibility
             core_cache = RoutedVisibility("shared_first")
         e_term = self.input_term(e)
-        step = lambda s, r: self.core_step(s, e, r, rope, core_cache, e_term=e_term)    # noqa: E731
+        # what a round reads besides the state: gathered to the read positions after round 1 when later rounds
+        # run there alone (below)
+        ins = {"e": e, "rope": rope, "e_term": e_term, "at": readout_at}
+        step = lambda s, r: self.core_step(s, ins["e"], r, ins["rope"], core_cache, e_term=ins["e_term"])  # noqa: E731
+        later = self.later_positions(readout_at, rounds, cache, collect_stats or state_loss)
+        rule = None
+        if later is not None:
+            pos, read = later                                                              # (B, K) each
+            def rule(s: Tensor, r: int) -> Tensor:
+                """After round 1 (and its readout): the state and inputs at the read positions only."""
+                if r == 1:
+                    rows = lambda t: None if t is None else t.gather(1, pos.unsqueeze(-1).expand(-1, -1, t.shape[-1]))  # noqa: E731
+                    core_cache.query_pos = pos
+                    ins.update(e=rows(e), e_term=rows(e_term), rope=self.rope(0, pos.shape[1], pos), at=read)
+                    s = rows(s)                                                            # (B, K, d)
+                return s
         routed = None
         if self.mor_router is not None:        # each token runs the rounds its router gives it
             if cache is not None:
@@ -464,16 +483,18 @@ class LoopedLM(nn.Module):
             # (a one-token decode step has no other); the cache keeps the last write, the final round's.
             tops: dict[int, Tensor] | None = {} if keep_top else None
             run = unroll(step, s0, rounds, backward_window, wanted,
-                         readout=lambda s, r: self.readout(s, rope, cache, r, tops=tops, at=readout_at),
+                         readout=lambda s, r: self.readout(s, rope, cache, r, tops=tops, at=ins["at"]),
                          keep_states=self.gate is not None or collect_stats or state_loss,
-                         loss_rounds=(*(readout_rounds or (rounds,)), *((rounds,) if state_loss else ())))
+                         loss_rounds=(*(readout_rounds or (rounds,)), *((rounds,) if state_loss else ())), rule=rule)
         finally:
             traces = [(i, mlp.trace) for i, mlp in moe]
             for _, mlp in moe:                 # recomputation in the backward (checkpointing) records nothing
                 mlp.trace = None
         out = LoopOutput(logits=run.readouts[rounds], rounds=run.rounds_run, round_logits=run.readouts,
                          grad_rounds=run.grad_rounds, readout_only_rounds=run.readout_only_rounds,
-                         state=run.state, cache=cache, top=tops[rounds] if keep_top else None, readout_at=readout_at)
+                         state=run.state if later is None else None, cache=cache,
+                         top=tops[rounds] if keep_top else None, readout_at=readout_at,
+                         later_positions=None if later is None else later[0])
         if routed is not None:
             routed.record(out)
         if moe:
@@ -497,6 +518,25 @@ class LoopedLM(nn.Module):
                     "update_rms": [(s - p).float().pow(2).mean().sqrt().item() for s, p in zip(states, prev)],
                 }
         return out
+
+    def later_positions(self, readout_at: Tensor | None, rounds: int, cache: Any, keep_states: bool
+                        ) -> tuple[Tensor, Tensor] | None:
+        """Where rounds after the first need to run, when not everywhere: under kv_sharing = first a round after
+        the first reads the other positions' round-1 keys/values only, so position t's later rounds depend on
+        its own state and round 1 alone; with a loss at readout_at's positions and nothing else read of a
+        state (no coda attending over them, no gate, no kept states), the other positions' later rounds
+        change nothing a loss sees, and are not run. Returns (pos, read), each (B, K), K the most read
+        positions in a row: each row's read positions in order, padded with unread ones (computed, never
+        read), and whether each is read; None where every position must run every round."""
+        cfg = self.cfg
+        if (readout_at is None or rounds < 2 or cfg.kv_sharing != "first" or cache is not None or keep_states
+                or self.mor_router is not None or cfg.moe_experts or cfg.n_coda or self.gate is not None
+                or cfg.round_update == "euler" or not readout_at.any()):
+            return None
+        counts = readout_at.sum(1)                                                          # (B,)
+        K = int(counts.max())
+        pos = torch.sort((~readout_at).to(torch.uint8), dim=1, stable=True).indices[:, :K]  # read ones first
+        return pos, torch.arange(K, device=pos.device) < counts.unsqueeze(1)
 
     # -- accounting -----------------------------------------------------------------
     def param_groups_by_role(self) -> dict[str, int]:

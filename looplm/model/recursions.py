@@ -111,6 +111,9 @@ class RoutedVisibility:
         self.rule, self.depth = rule, depth                                  # depth (B, T)
         self.first: dict[int, tuple[Tensor, Tensor]] = {}
         self._entered: dict[int, Tensor] = {}
+        self.query_pos: Tensor | None = None
+        """shared_first: (B, K) the positions of the queries of rounds after the first, when those rounds run
+        at some positions only (`LoopedLM.forward`'s later_positions); None: every position, in order."""
 
     def enter(self, r: int, tokens: Tensor) -> None:
         """The tokens (B, T) bool that run round r (before its blocks attend)."""
@@ -130,10 +133,13 @@ class RoutedVisibility:
         if self.rule == "recursion_wise":             # keys: tokens that entered round r, and the query itself
             positions = torch.arange(T, device=q.device).expand(q.shape[0], T)
             return sdpa(q, k, v, round_visibility(positions, self.entered(r), T).unsqueeze(1))   # (B, 1, T, T)
-        eye = torch.eye(T, dtype=torch.bool, device=q.device)
         k1, v1 = self.first[i]                        # earlier tokens' round-1 entries, the query's own round-r
-        before = torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-1)
-        return sdpa(q, torch.cat([k1, k], 2), torch.cat([v1, v], 2), torch.cat([before, eye], 1))
+        S = k1.shape[2]
+        pos = torch.arange(T, device=q.device).unsqueeze(0) if self.query_pos is None else self.query_pos
+        before = torch.arange(S, device=q.device) < pos.unsqueeze(-1)                     # (B or 1, T, S)
+        eye = torch.eye(T, dtype=torch.bool, device=q.device).expand(before.shape[0], T, T)
+        mask = torch.cat([before, eye], -1).unsqueeze(1)                                  # (B or 1, 1, T, S + T)
+        return sdpa(q, torch.cat([k1, k], 2), torch.cat([v1, v], 2), mask)
 
 
 class RoutedLoop:

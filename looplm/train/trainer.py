@@ -304,9 +304,10 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
     # every visit that ran: the rounds, the backward over the window, each supervised readout (coda and
     # head, backward where it carries a loss), the prelude's backward where the gradient reaches it
     stage1 = recipe.train.stage == 1
-    visits = Visits(rounds=rounds, grad_rounds=len(out.grad_rounds), readouts=len(place.rounds),
+    visits = Visits(rounds=rounds, grad_rounds=len(out.grad_rounds), readouts=len(out.round_logits),
                     grad_readouts=len(place.rounds) if stage1 else 0,
                     head_share=1.0 if at is None else int(at.sum()) / at.numel(),
+                    grad_first=1 in out.grad_rounds, **later_visits(out.later_positions, x.shape[1]),
                     prelude_grad=stage1 and prelude_receives_gradient(model.cfg, out.grad_rounds),
                     gate_grad=model.gate is not None and (not stage1 or supervision.kind in ("learned_exit",
                                                                                           "act_mixture")))
@@ -317,6 +318,15 @@ def train_step(model: LoopedLM, recipe: Recipe, x: torch.Tensor, y: torch.Tensor
         counters.train_flops += (n_passes - 1) * x.numel() * 6 * model.param_groups_by_role()["feedback"]
     counters.last_visits = visits
     return loss.item() / world.size, out, info
+
+
+def later_visits(later: torch.Tensor | None, T: int) -> dict[str, float]:
+    """Visits' later_share and later_keys_factor from the positions rounds after the first ran at
+    (LoopOutput.later_positions (B, K); None: every position of T)."""
+    if later is None:
+        return {}
+    return {"later_share": later.shape[1] / T,
+            "later_keys_factor": float((later + 1).double().mean()) / ((T + 1) / 2)}
 
 
 def readout_positions(recipe: Recipe, supervision, place, rounds: int, mask: torch.Tensor | None,
