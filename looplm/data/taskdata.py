@@ -529,10 +529,10 @@ def read_task_file(path: str | Path, recipe: Recipe, traces: bool = False) -> li
         raise UserError(f"{_where(ex)}: prompt + answer is {n} tokens, the longest of {len(over)} line(s) over "
                         f"model.context + 1 = {context + 1}; raise model.context to at least {n - 1} "
                         f"(--set model.context={n - 1}) or shorten them")
-    for ex in examples:
-        b = encode_examples(tok, [ex], context, recipe.data.separator)
-        if traces:
-            round_targets(tok, [ex], b, recipe.data.task, recipe.model.vocab_size, query_split(recipe))
+    if traces:                                     # what a line's round targets need: its trace, its queried name
+        split = query_split(recipe)
+        for ex in examples:
+            example_trace(ex, recipe.data.task, split)
     return examples
 
 
