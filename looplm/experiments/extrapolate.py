@@ -290,9 +290,10 @@ def run_seed(recipe: Recipe, out_dir: str | Path, quiet: bool = False,
 
 
 COST_ORDER = ("untied_same_compute", "looped", "untied_same_params", "lstm")
-"""The models from the costliest to train to the cheapest (the built-in recipe, two workers side by side:
-~15.8, ~10.6, ~3.4 and ~1.9 minutes of one core a seed, docs/tasks.md): the cheapest last, so the two
-cores' last models end close together."""
+"""The models from the costliest to train to the cheapest, so the two cores' last models end close together
+(two workers side by side, minutes of one core a seed, docs/tasks.md: the built-in recipe ~15.8, ~10.6, ~3.4,
+~1.9 before later rounds ran at the read positions only; drawn format 2 since, 11.4-13.0, 11.2-11.5, 9.0-9.2,
+3.4-3.9)."""
 
 
 class SeedPlan:
