@@ -326,7 +326,7 @@ def later_visits(later: torch.Tensor | None, T: int) -> dict[str, float]:
     if later is None:
         return {}
     return {"later_share": later.shape[1] / T,
-            "later_keys_factor": float((later + 1).double().mean()) / ((T + 1) / 2)}
+            "later_keys_factor": float((later + 1).sum()) / later.numel() / ((T + 1) / 2)}
 
 
 def readout_positions(recipe: Recipe, supervision, place, rounds: int, mask: torch.Tensor | None,
