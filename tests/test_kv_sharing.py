@@ -189,6 +189,28 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_activation_checkpointing_at_the_read_positions_only_gives_the_same_gradients():
+    """With later rounds at the read positions only, the recomputed core rounds gather the same positions and
+    read the same round-1 keys and values: the gradients equal the stored graph's with every position running
+    (float64)."""
+    import copy
+    from looplm.train.parallel import checkpoint_core
+    a = model(**{"model.init_state": "prelude", "model.n_coda": 0}).double().train()
+    b = copy.deepcopy(a)
+    checkpoint_core(b)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 257, (2, 16), generator=g)
+    at = torch.rand(2, 16, generator=g) < 0.3
+    at[:, -1] = True
+    weight = torch.randn(int(at.sum()), 257, generator=g, dtype=torch.float64)
+    for m, run in ((a, lambda **kw: _whole(a, x, 4, **kw)), (b, lambda **kw: b(x, 4, **kw))):
+        out = run(readout_rounds=(2, 4), readout_at=at)
+        assert (out.later_positions is None) == (m is a)
+        sum((lg * weight).sum() for lg in out.round_logits.values()).backward()
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-11, msg=name)
+
+
 def _whole(m, x, rounds, **kw):
     """The forward with every position running every round (the reference the read-positions forward is held to)."""
     from looplm.model.looped import LoopedLM
