@@ -573,6 +573,30 @@ def test_the_crop_curriculum_keeps_a_growing_share_of_the_unneeded_statements(tm
     assert max(late) > 0.8 and min(late) < 0.2           # after the ramp: the whole range
 
 
+def test_prompts_of_one_length_with_no_curriculum_are_noted_before_training(tmp_path, capsys):
+    """A traced file whose training prompts are all near one length, with no curriculum shortening them, gets a
+    note naming their byte range (read here off the file); the crop, answer targets or prompts of varied
+    lengths take it away. `looplm train` prints it."""
+    path = crop_file(tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    over = {"data.task": str(path), "data.round_targets": "trace", "data.separator": False}
+    source = TaskSource(task_recipe(**over))
+    sizes = [len(ex.prompt.encode()) for pool in source._train_pool.values() for ex in pool]
+    note = source.short_prompt_note(task_recipe(**over).data)
+    assert note is not None and f"{min(sizes)}..{max(sizes)} bytes" in note and "data.crop_curriculum" in note
+    crop = task_recipe(**over, **{"data.crop_curriculum": 0.5, "data.item_separator": " "})
+    assert TaskSource(crop).short_prompt_note(crop.data) is None
+    plain = task_recipe(**{**over, "data.round_targets": "answer"})
+    assert TaskSource(plain).short_prompt_note(plain.data) is None
+    for r in rows[::2]:           # every other line cut to its needed links and the query: lengths vary
+        items = r["prompt"].split(" ")
+        r["prompt"] = " ".join([s for s in items[:-1] if s.split(">")[1] in [*r["trace"], r["answer"]]] + items[-1:])
+    varied = task_recipe(**{**over, "data.task": str(write_jsonl(tmp_path / "varied.jsonl", rows))})
+    assert TaskSource(varied).short_prompt_note(varied.data) is None
+    train(task_recipe(**over, **{"train.steps": 1}), tmp_path / "run")
+    assert "note: data.task" in capsys.readouterr().err
+
+
 def test_the_crop_curriculum_is_refused_where_it_cannot_find_the_statements(tmp_path):
     path = crop_file(tmp_path)
     with pytest.raises(UserError, match="data.item_separator"):

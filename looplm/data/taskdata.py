@@ -259,6 +259,22 @@ class TaskSource:
         # training examples per difficulty (None for a generator: fresh ones every batch)
         self.train_counts = None if self.builtin else {lv: len(p) for lv, p in sorted(self._train_pool.items())}
 
+    def short_prompt_note(self, d: DataConfig) -> str | None:
+        """A JSONL file trained on its traces with no curriculum that shortens its prompts, whose training prompts
+        are all near one length: say so before training, since the lookup was found on short prompts first in
+        our trials (docs/tasks.md) and this file gives none. None where a curriculum applies, the task is a
+        generator, or the prompts' lengths vary (the longest over twice the shortest, in bytes)."""
+        if self.builtin or not d.traced or self.crop or (self.length_unit and d.train_length_min):
+            return None
+        sizes = [len(ex.prompt.encode()) for pool in self._train_pool.values() for ex in pool]
+        lo, hi = min(sizes), max(sizes)
+        if 2 * lo < hi:
+            return None
+        return (f"data.task {d.task}: every training prompt is {lo}..{hi} bytes long as written, and no curriculum "
+                f"gives shorter ones (data.crop_curriculum = 0, no data.length_unit with data.train_length_min); "
+                f"the lookup was found on short prompts first in our trials, and data.crop_curriculum (with "
+                f"data.item_separator) makes them from the file's own lines (docs/tasks.md)")
+
     def _split_file(self, examples: list[Example], d: DataConfig) -> None:
         """A JSONL file's training and held-out pools.
 

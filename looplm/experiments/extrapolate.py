@@ -311,6 +311,9 @@ class SeedPlan:
         if _holds_experiment(self.out, self.names):
             raise UserError(f"--out {self.out}: already holds an experiment; choose another folder")
         self.source = TaskSource(recipe)  # validates the task dials before anything trains
+        note = self.source.short_prompt_note(recipe.data)
+        if note:
+            _say(f"note: {note}", quiet)
         self.eval_sets = self.source.eval_sets(recipe.data.eval_examples)
         self.guess = digit_guess_baseline(self.eval_sets)
         check_lookup_criterion(lookup_threshold, self.guess, self.source.train_levels[-1], self.eval_sets)

@@ -473,6 +473,9 @@ def _train_run(recipe: Recipe, stage: Staging, resume: bool, quiet: bool, stop_a
         raise UserError(f"data.path {recipe.data.path or '(the embedded corpus)'}: its validation split holds "
                         f"{len(val_tokens)} tokens, and one window of data.seq_len {seq_len} needs {seq_len + 1}; "
                         "use more text, a larger data.val_fraction or a shorter data.seq_len")
+    note = val_tokens.short_prompt_note(recipe.data) if recipe.data.task and not resume else None
+    if note and not quiet and world.main:
+        print(f"note: {note}", file=sys.stderr)
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe).to(device)      # initialised on the CPU: the same weights on every device and rank
     counters, start, state, fresh = Counters(), 0, None, []
