@@ -58,8 +58,8 @@ def test_the_draws_cover_the_surface_choices():
 @pytest.mark.parametrize("seed", range(12))
 def test_a_cropped_line_keeps_its_answer_and_drops_what_it_was_asked_to(seed):
     """data.crop_curriculum's crop_items: whatever it keeps, the independent reader finds the same answer
-    over the same chain; of the m items naming neither a trace entry nor the answer it keeps round(keep x m),
-    and drops no other."""
+    over the same chain; it keeps every statement the chase follows, and of the m others (trees hanging into
+    the chain, statements pointing at the answer's value among them) round(keep x m), in their order."""
     from looplm.data.tasks import Example
     from looplm.data.taskdata import crop_items
     fmt = pf.draw_format(seed)
@@ -69,9 +69,12 @@ def test_a_cropped_line_keeps_its_answer_and_drops_what_it_was_asked_to(seed):
         ex = Example(line["prompt"], line["answer"], hops, {"trace": line["trace"], "difficulty": hops})
         *statements, _ = line["prompt"].split(fmt.separator)
         chain = read_answer(fmt, line["prompt"])
-        # on the chain: the statements whose target is a trace entry or the answer, by the template
-        link = re.escape(fmt.link).replace(re.escape("{a}"), r"\w+").replace(re.escape("{b}"), r"(\w+)")
-        needed = [s for s in statements if re.fullmatch(link, s).group(1) in [*line["trace"], line["answer"]]]
+        # the statements followed: sources from the queried name along the path, by the template
+        link = re.escape(fmt.link).replace(re.escape("{a}"), r"(\w+)").replace(re.escape("{b}"), r"\w+")
+        query = re.fullmatch(re.escape(fmt.query).replace(re.escape("{a}"), r"(\w+)"), line["prompt"].split(fmt.separator)[-1])
+        followed = [query.group(1), *chain[2]]
+        needed = [s for s in statements if re.fullmatch(link, s).group(1) in followed]
+        assert len(needed) == hops
         spare = len(statements) - len(needed)
         for keep in (0.0, 0.3, 0.5, 1.0):
             cut = crop_items(ex, fmt.separator, keep, random.Random(hops))

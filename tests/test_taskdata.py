@@ -535,14 +535,15 @@ def test_eval_batch_size_on_a_task_run_is_refused_not_ignored(task_run, capsys):
 
 def crop_file(tmp_path):
     """Pointer chases "k>p p>3 z>1 ... ?k=" of 1-2 hops, every prompt 6 links, with traces; each line
-    queries its own name."""
+    queries its own name. A 2-hop line has a tree hanging into its chain (a name pointing at its trace
+    entry), and the digit distractors often point at the answer's value."""
     import random as _random
     g, rows, letters = _random.Random(0), [], "abcdefghijklmnopqrstuvwxyz"
     for i in range(26):
         names = [letters[i]] + g.sample(letters.replace(letters[i], ""), 11)
         hops = 1 + i % 2
         links = [(names[h], names[h + 1]) for h in range(hops - 1)] + [(names[hops - 1], str(g.randrange(10)))]
-        links += [(names[6 + j], str(g.randrange(10))) for j in range(6 - hops)]
+        links += [(names[6 + j], names[1] if hops == 2 and j == 0 else str(g.randrange(10))) for j in range(6 - hops)]
         g.shuffle(links)
         answer = next(b for a, b in links if a == names[hops - 1])
         rows.append({"prompt": " ".join(f"{a}>{b}" for a, b in links) + f" ?{names[0]}=", "answer": answer,
@@ -550,9 +551,21 @@ def crop_file(tmp_path):
     return write_jsonl(tmp_path / "crop.jsonl", rows)
 
 
+def followed(statements, query):
+    """The statements "a>b" a chase from `query` ("?k=") follows, by walking them."""
+    edges = dict(s.split(">") for s in statements)
+    node, path = query[1:-1], []
+    while node in edges:
+        path.append(f"{node}>{edges[node]}")
+        node = edges[node]
+    return path
+
+
 def test_the_crop_curriculum_keeps_a_growing_share_of_the_unneeded_statements(tmp_path):
-    """Warm-up keeps none of a line's m unneeded statements; then micro-batch i keeps round(q x m), q drawn
-    uniformly from [0, progress(i)], progress growing linearly to 1 over crop_curriculum x steps."""
+    """Warm-up keeps none of a line's m unneeded statements (all but those the chase follows: a tree hanging
+    into the chain and a statement pointing at the answer's value go too); then micro-batch i keeps
+    round(q x m), q drawn uniformly from [0, progress(i)], progress growing linearly to 1 over crop_curriculum
+    x steps."""
     path = crop_file(tmp_path)
     recipe = task_recipe(**{"data.task": str(path), "data.crop_curriculum": 0.5, "data.item_separator": " ",
                             "data.warmup_steps": 10, "train.steps": 110, "data.separator": False})
@@ -566,7 +579,7 @@ def test_the_crop_curriculum_keeps_a_growing_share_of_the_unneeded_statements(tm
         for ex in sampler.examples(i):
             *kept, query = ex.prompt.split(" ")
             [full] = [ln[:-1] for ln in lines if ln[-1] == query]            # its line
-            needed = [s for s in full if s.split(">")[1] in [*ex.meta["trace"], ex.answer]]
+            needed = followed(full, query)
             spare = len(full) - len(needed)
             assert set(needed) <= set(kept) and len(kept) - len(needed) == round(keep * spare)
     late = [sampler.keep(i) for i in range(65, 110)]
@@ -623,7 +636,8 @@ def test_the_report_counts_what_the_crop_curriculum_dropped(tmp_path):
     lines = spare = kept = 0
     for i in range(3):
         for full, cut in zip(plain.examples(i), TaskSampler(TaskSource(recipe), TOK, recipe).examples(i)):
-            unneeded = [s for s in full.prompt.split(" ")[:-1] if s.split(">")[1] not in [*full.meta["trace"], full.answer]]
+            *items, query = full.prompt.split(" ")
+            unneeded = [s for s in items if s not in followed(items, query)]
             lines, spare = lines + 1, spare + len(unneeded)
             kept += sum(s in cut.prompt.split(" ") for s in unneeded)
     assert report["crop_counts"] == {"lines": lines, "spare": spare, "kept": kept}

@@ -382,22 +382,30 @@ class TaskSource:
         self.train_length_counts = {lv: {n: len(e) for n, e in b.items()} for lv, b in pool.items()}
 
     def _check_crop(self, d: DataConfig) -> None:
-        """data.crop_curriculum keeps a line's items that name a trace entry or the answer: refuse a file
-        where that cannot find them (no "trace", or an entry no item but the query names as a word,
-        which is what a wrong data.item_separator or names run into other text look like)."""
-        for pool in self._train_pool.values():
+        """data.crop_curriculum keeps the statements a line's chase follows (`chase_links`): find them once per
+        training line (meta["links"]), and refuse a file where they cannot be found (no "trace", no queried
+        name, or a hop no item names both ends of, which is what a wrong data.item_separator or names run
+        into other text look like)."""
+        sep = self.item_separator
+        for level, pool in self._train_pool.items():
+            marked = []
             for ex in pool:
                 if "trace" not in ex.meta:
                     raise UserError(f"recipe field data.crop_curriculum = {d.crop_curriculum}: {_where(ex)} has no "
                                     f"\"trace\", so the items its answer needs cannot be told from the others; "
                                     f"give every line a \"trace\" (its intermediate results) or set it to 0")
-                items = ex.prompt.split(self.item_separator)
-                for name in [*ex.meta["trace"], ex.answer]:
-                    if not any(_names(item, name) for item in items[:-1]):
-                        raise UserError(f"recipe field data.crop_curriculum = {d.crop_curriculum}: {_where(ex)}: "
-                                        f"no item but the last names {name!r} as a word, split at "
-                                        f"data.item_separator = {self.item_separator!r}; a prompt's statements must "
-                                        f"be its items and name their targets as words, or set it to 0")
+                try:
+                    links = chase_links(ex, sep)
+                except UserError:
+                    links = None
+                if links is None:
+                    raise UserError(f"recipe field data.crop_curriculum = {d.crop_curriculum}: {_where(ex)}: split "
+                                    f"at data.item_separator = {sep!r}, its chase (the queried name in the last item, "
+                                    f"its \"trace\", the answer) has a hop no item but the last names both ends of "
+                                    f"as words; a prompt's statements must be its items and name both their ends as "
+                                    f"words, or set it to 0")
+                marked.append(replace(ex, meta={**ex.meta, "links": tuple(links)}))
+            self._train_pool[level] = marked
 
     def length_window(self, level: int, progress: float = 1.0) -> tuple[int, int] | None:
         """The prompt lengths training can draw at `level` when the length ramp is at `progress`:
@@ -470,16 +478,32 @@ def _word_pattern(name: str) -> re.Pattern:
     return re.compile(rf"(?<![0-9A-Za-z_]){re.escape(name)}(?![0-9A-Za-z_])")
 
 
+def chase_links(ex: Example, separator: str) -> list[int] | None:
+    """The items (indices, the query excluded) a pointer chase follows: for each hop, from the queried name
+    (`queried_name`) through the trace to the answer, the items that name both its source and its target as
+    words; None when a hop has none (a wrong data.item_separator, or a trace that is not the chase's)."""
+    *items, _ = ex.prompt.split(separator)
+    path = [queried_name(ex, "", separator), *ex.meta["trace"], ex.answer]
+    links: list[int] = []
+    for src, dst in zip(path, path[1:]):
+        hop = [i for i, item in enumerate(items) if _names(item, src) and _names(item, dst)]
+        if not hop:
+            return None
+        links += hop
+    return sorted(set(links))
+
+
 def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> Example:
-    """`ex` with round(keep x m) of its m unneeded items left, chosen by rng, in their order. Needed:
-    the last item (the query) and every item naming a trace entry or the answer as a word; in a
-    pointer chase each statement on the queried chain names its target (the next name, or at the
-    end the answer), so dropping the others never changes the answer. (Keeping at least one
-    distractor, so that a one-hop prompt is never the lone statement, measured worse: docs/tasks.md.)
-    Blank pieces stay."""
+    """`ex` with round(keep x m) of its m unneeded items left, chosen by rng, in their order. Needed: the
+    last item (the query) and the statements the chase follows (`chase_links`, found once per line and kept
+    in meta["links"]), so dropping the others never changes the answer. A statement that only points at a
+    name on the chase (a tree hanging into it) or at the answer's value is not needed: it goes like any
+    other distractor, so the first steps train the chase alone. (Keeping at least one distractor, so that
+    a one-hop prompt is never the lone statement, measured worse: docs/tasks.md.) Blank pieces stay."""
     items = ex.prompt.split(separator)
-    names = [*ex.meta["trace"], ex.answer]
-    spare = [i for i, item in enumerate(items[:-1]) if item.strip() and not any(_names(item, n) for n in names)]
+    links = ex.meta["links"] if "links" in ex.meta else chase_links(ex, separator)
+    needed = set(links or ())
+    spare = [i for i, item in enumerate(items[:-1]) if item.strip() and i not in needed]
     kept = round(keep * len(spare))
     drop = set(rng.sample(spare, len(spare) - kept))
     return replace(ex, prompt=separator.join(item for i, item in enumerate(items) if i not in drop),
