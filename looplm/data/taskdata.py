@@ -171,8 +171,10 @@ def queried_name(ex: Example, task: str, separator: str) -> str:
     if is_builtin(task):
         return QUERIED[task](ex.prompt)
     *items, query = ex.prompt.split(separator)
-    words = dict.fromkeys(re.findall(r"[0-9A-Za-z_]+", query))
-    named = [w for w in words if any(_names(item, w) for item in items)]
+    words = dict.fromkeys(_WORD.findall(query))
+    # a run of word characters is named as a word exactly where it is one of an item's maximal runs (_names)
+    others = set(_WORD.findall(separator.join(items)))
+    named = [w for w in words if w in others]
     if len(named) != 1:
         raise UserError(f"recipe field data.round_targets = \"query_trace\": {_where(ex)}: the last item {query!r} "
                         f"(split at data.item_separator = {separator!r}) holds "
@@ -467,6 +469,9 @@ class TaskSource:
                    self._train_pool.values() for ex in pool)
 
 
+_WORD = re.compile(r"[0-9A-Za-z_]+")
+
+
 def _names(item: str, name: str) -> bool:
     """Whether `item` holds `name` as a word: not run into letters, digits or _ on either side."""
     return _word_pattern(name).search(item) is not None
@@ -484,13 +489,17 @@ def chase_links(ex: Example, separator: str) -> list[int] | None:
     words; None when a hop has none (a wrong data.item_separator, or a trace that is not the chase's)."""
     *items, _ = ex.prompt.split(separator)
     path = [queried_name(ex, "", separator), *ex.meta["trace"], ex.answer]
-    links: list[int] = []
-    for src, dst in zip(path, path[1:]):
-        hop = [i for i, item in enumerate(items) if _names(item, src) and _names(item, dst)]
-        if not hop:
+    runs = [set(_WORD.findall(item)) for item in items]
+    # the items naming each name on the path: one of an item's runs for a name of word characters only
+    # (what _names asks of it), _names itself for any other
+    places = [{i for i, r in enumerate(runs) if name in r} if _WORD.fullmatch(name)
+              else {i for i, item in enumerate(items) if _names(item, name)} for name in path]
+    links: set[int] = set()
+    for src, dst in zip(places, places[1:]):
+        if not src & dst:
             return None
-        links += hop
-    return sorted(set(links))
+        links |= src & dst
+    return sorted(links)
 
 
 def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> Example:
