@@ -106,7 +106,7 @@ def stubbed(monkeypatch):
     calls, panels = [], {}
 
     class Plan:
-        def __init__(self, recipe, out, quiet=False, lookup_threshold=ex.LOOKUP_THRESHOLD):
+        def __init__(self, recipe, out, quiet=False, lookup_threshold=ex.LOOKUP_THRESHOLD, first=True):
             calls.append((recipe.train.seed, out))
             self.seed, self.out, self.threshold = recipe.train.seed, out, lookup_threshold
 

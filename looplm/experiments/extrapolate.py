@@ -218,7 +218,8 @@ def run_extrapolate(recipe: Recipe, out_dir: str | Path, quiet: bool = False, se
     for folder in (out, *(out / f"seed-{s}" for s in seeds)):
         if _holds_experiment(folder, names):
             raise UserError(f"--out {out}: {folder} already holds an experiment; choose another folder")
-    plans = [SeedPlan(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold) for s in seeds]
+    plans = [SeedPlan(seed_recipe(recipe, s), out / f"seed-{s}", quiet, lookup_threshold, first=i == 0)
+             for i, s in enumerate(seeds)]
     _say(f"{_seed_list(seeds)} into {out}/seed-S", quiet)
     per_seed = {s: plan.evaluate(info) for s, (plan, info) in zip(seeds, train_plans(plans, recipe.train.threads, quiet))}
     first = per_seed[seeds[0]]
@@ -300,7 +301,8 @@ class SeedPlan:
     """One seed's experiment, checked and set up before anything trains (the refusals happen here):
     its task source and held-out sets, the models' recipes, and `evaluate` for once they are trained."""
 
-    def __init__(self, recipe: Recipe, out_dir: str | Path, quiet: bool, lookup_threshold: float):
+    def __init__(self, recipe: Recipe, out_dir: str | Path, quiet: bool, lookup_threshold: float,
+                 first: bool = True):
         self.t_start = time.perf_counter()
         if not recipe.data.task:
             raise UserError("recipe field data.task: the extrapolate experiment needs task data (e.g. \"chain\")")
@@ -312,7 +314,7 @@ class SeedPlan:
             raise UserError(f"--out {self.out}: already holds an experiment; choose another folder")
         self.source = TaskSource(recipe)  # validates the task dials before anything trains
         note = self.source.short_prompt_note(recipe.data)
-        if note:
+        if note and first:            # the same for every seed: said once
             _say(f"note: {note}", quiet)
         self.eval_sets = self.source.eval_sets(recipe.data.eval_examples)
         self.guess = digit_guess_baseline(self.eval_sets)
