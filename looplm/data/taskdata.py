@@ -511,7 +511,9 @@ def crop_items(ex: Example, separator: str, keep: float, rng: random.Random) -> 
     a one-hop prompt is never the lone statement, measured worse: docs/tasks.md.) Blank pieces stay."""
     items = ex.prompt.split(separator)
     links = ex.meta["links"] if "links" in ex.meta else chase_links(ex, separator)
-    needed = set(links or ())
+    if links is None:              # TaskSource._check_crop refuses such a line before training
+        raise ValueError(f"{_where(ex)}: its chase cannot be found at separator {separator!r}")
+    needed = set(links)
     spare = [i for i, item in enumerate(items[:-1]) if item.strip() and i not in needed]
     kept = round(keep * len(spare))
     drop = set(rng.sample(spare, len(spare) - kept))
