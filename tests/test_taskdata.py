@@ -610,6 +610,25 @@ def test_prompts_of_one_length_with_no_curriculum_are_noted_before_training(tmp_
     assert "note: data.task" in capsys.readouterr().err
 
 
+def test_the_experiment_notes_prompts_of_one_length_once_across_seeds(tmp_path, capsys, monkeypatch):
+    """Every seed's plan reads the same file, so the note is said once, before anything trains (the
+    training itself stopped here: what is tested is what the plans printed)."""
+    from looplm.experiments import extrapolate as ex
+
+    class Stop(Exception):
+        pass
+
+    def no_training(plans, threads, quiet=False):
+        assert len(plans) == 3                # every seed planned, its task source read
+        raise Stop
+    monkeypatch.setattr(ex, "train_plans", no_training)
+    over = {"data.task": str(crop_file(tmp_path)), "data.round_targets": "trace", "data.separator": False,
+            "data.baselines": [], "data.probe_examples": 0}
+    with pytest.raises(Stop):
+        ex.run_extrapolate(task_recipe(**over), tmp_path / "x", seeds=[0, 1, 2])
+    assert capsys.readouterr().err.count("note: data.task") == 1
+
+
 def test_the_crop_curriculum_is_refused_where_it_cannot_find_the_statements(tmp_path):
     path = crop_file(tmp_path)
     with pytest.raises(UserError, match="data.item_separator"):
