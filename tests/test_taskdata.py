@@ -665,18 +665,21 @@ def test_the_report_counts_what_the_crop_curriculum_dropped(tmp_path):
 
 
 def test_query_trace_on_a_jsonl_file_finds_the_queried_name_in_the_last_item(tmp_path):
-    """A JSONL line's queried name: the one word of its last item that another item names, read here from
-    lines written with it; a several-token name is a bag at round 1; lines where the last item names none or
+    """A JSONL line's queried name: the one word of its last item that another item names (where none is, the
+    one run of its other characters another item holds), read here from lines written with it; a several-token
+    name is a bag at round 1; lines where the last item names none or
     two, and a file without data.item_separator, are refused naming the line or the field."""
     from looplm.data.taskdata import example_trace, read_task_file, round_targets
     lines = [{"prompt": "ox>elk | elk>7 | q>3 | Where does ox lead?", "answer": "7", "difficulty": 2, "trace": ["elk"]},
              {"prompt": "b>c | c>1 | a>b | follow a", "answer": "1", "difficulty": 3, "trace": ["b", "c"]},
-             {"prompt": "x>5 | ?x=", "answer": "5", "difficulty": 1, "trace": []}]
+             {"prompt": "x>5 | ?x=", "answer": "5", "difficulty": 1, "trace": []},
+             {"prompt": "(C<#) | (k<d) | ask #", "answer": "C", "difficulty": 1, "trace": []}]   # a name in symbols
     path = write_jsonl(tmp_path / "t.jsonl", lines * 2)
     recipe = task_recipe(**{"data.task": str(path), "data.round_targets": "query_trace", "data.item_separator": " | ",
                             "data.depth_by_difficulty": True, "depth.max": 4, "data.separator": False})
+    assert [example_trace(ex, str(path), " | ") for ex in read_task_file(path, recipe, traces=True)[:4]] == [
+        ["ox", "elk"], ["a", "b", "c"], ["x"], ["#"]]
     examples = read_task_file(path, recipe, traces=True)[:3]
-    assert [example_trace(ex, str(path), " | ") for ex in examples] == [["ox", "elk"], ["a", "b", "c"], ["x"]]
     b = encode_examples(TOK, examples, recipe.model.context, False)
     rt = round_targets(TOK, examples, b, recipe.data.task, recipe.model.vocab_size, " | ")
     y1, m1 = rt(1)
@@ -686,9 +689,10 @@ def test_query_trace_on_a_jsonl_file_finds_the_queried_name_in_the_last_item(tmp
     assert y1[1, first[1], ord("a")] == 1 and y1[2, first[2], ord("x")] == 1
     y3, m3 = rt(3)
     assert y3[1, first[1], ord("c")] == 1 and torch.equal(m3[[0, 2]], b.mask[[0, 2]])   # rows 0, 2: the answer
-    for bad, words in (("y>5 | x>y | ?x= or y", "2 words"), ("x>5 | ?z=", "no word")):
+    for bad, words in (("y>5 | x>y | ?x= or y", "2 names"), ("x>5 | ?z=", "no name"),
+                       ("(C<#) | (k<*) | ask # *", "2 names")):
         path = write_jsonl(tmp_path / "bad.jsonl", lines + [{"prompt": bad, "answer": "5", "difficulty": 1, "trace": []}])
-        with pytest.raises(UserError, match=f"line 4: the last item .*holds {words}"):
+        with pytest.raises(UserError, match=f"line 5: the last item .*holds {words}"):
             read_task_file(path, task_recipe(**{"data.task": str(path), "data.round_targets": "query_trace",
                                                 "data.item_separator": " | "}), traces=True)
     with pytest.raises(UserError, match="data.item_separator"):

@@ -167,7 +167,9 @@ def query_split(recipe: Recipe) -> str | None:
 def queried_name(ex: Example, task: str, separator: str) -> str:
     """The name `ex` asks about: a built-in task's (tasks.QUERIED), or in a JSONL prompt split at `separator`
     the one word of its last item (the query) that another item names as a word ("k>p p>w ?k=" -> "k";
-    "... Where does delta lead?" -> "delta"). UserError, naming the line, when there is not exactly one."""
+    "... Where does delta lead?" -> "delta"); where no word is, the one run of the query's other visible
+    characters that another item holds ("(C<#) , ask #" -> "#"). UserError, naming the line, when there is
+    not exactly one."""
     if is_builtin(task):
         return QUERIED[task](ex.prompt)
     *items, query = ex.prompt.split(separator)
@@ -175,10 +177,12 @@ def queried_name(ex: Example, task: str, separator: str) -> str:
     # a run of word characters is named as a word exactly where it is one of an item's maximal runs (_names)
     others = set(_WORD.findall(separator.join(items)))
     named = [w for w in words if w in others]
+    if not named:   # names written in symbols ("(*<+) , (C<#) , ask #"): a run of other visible characters
+        named = [m for m in dict.fromkeys(_MARK.findall(query)) if any(m in item for item in items)]
     if len(named) != 1:
         raise UserError(f"recipe field data.round_targets = \"query_trace\": {_where(ex)}: the last item {query!r} "
                         f"(split at data.item_separator = {separator!r}) holds "
-                        + ("no word" if not named else f"{len(named)} words ({', '.join(named)})")
+                        + ("no name" if not named else f"{len(named)} names ({', '.join(named)})")
                         + " that another item names, where one (the queried name) is needed; check "
                         "data.item_separator, or use round_targets = \"trace\"")
     return named[0]
@@ -470,6 +474,7 @@ class TaskSource:
 
 
 _WORD = re.compile(r"[0-9A-Za-z_]+")
+_MARK = re.compile(r"[^\s0-9A-Za-z_]+")
 
 
 def _names(item: str, name: str) -> bool:
