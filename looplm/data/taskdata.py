@@ -168,7 +168,7 @@ def queried_name(ex: Example, task: str, separator: str) -> str:
     """The name `ex` asks about: a built-in task's (tasks.QUERIED), or in a JSONL prompt split at `separator`
     the one word of its last item (the query) that another item names as a word ("k>p p>w ?k=" -> "k";
     "... Where does delta lead?" -> "delta"); where no word is, the one run of the query's other visible
-    characters that another item holds ("(C<#) , ask #" -> "#"). UserError, naming the line, when there is
+    characters that another item names, as `chase_links` reads names ("(C<#) , ask #" -> "#"). UserError, naming the line, when there is
     not exactly one."""
     if is_builtin(task):
         return QUERIED[task](ex.prompt)
@@ -178,7 +178,7 @@ def queried_name(ex: Example, task: str, separator: str) -> str:
     others = set(_WORD.findall(separator.join(items)))
     named = [w for w in words if w in others]
     if not named:   # names written in symbols ("(*<+) , (C<#) , ask #"): a run of other visible characters
-        named = [m for m in dict.fromkeys(_MARK.findall(query)) if any(m in item for item in items)]
+        named = [m for m in dict.fromkeys(_MARK.findall(query)) if any(_names(item, m) for item in items)]
     if len(named) != 1:
         raise UserError(f"recipe field data.round_targets = \"query_trace\": {_where(ex)}: the last item {query!r} "
                         f"(split at data.item_separator = {separator!r}) holds "
