@@ -95,3 +95,10 @@ def test_expected_depth_under_a_ramp_averages_every_step_of_the_run(kind, steps)
     got = expected_depth(cfg, total_steps=steps)
     assert got == pytest.approx(hand["sum"] / steps, rel=1e-9)
     assert got < expected_depth(DepthConfig(**base)) - 0.2        # the ramp's shallow steps count
+
+
+def test_expected_depth_stays_finite_where_rates_underflow():
+    """sigma = 40: most quadrature rates underflow to 0 (all mass at Poisson count 0, so min rounds), none
+    may turn into NaN (0 * log 0)."""
+    cfg = DepthConfig(kind="lognormal_poisson", mean=4, sigma=40, min=2, max=8, rounds=4)
+    assert expected_depth(cfg) == pytest.approx(2.0, abs=1e-6)

@@ -76,7 +76,7 @@ def _capped_poisson_mean(rate: torch.Tensor, lo: int, top: torch.Tensor) -> torc
     every count below top - 1 weighted by its probability, the cap taking the rest of the mass."""
     n = torch.arange(int(top.max()) - 1, dtype=torch.float64)                     # counts 0 .. max(top) - 2
     rate = rate.unsqueeze(-1)                                                     # (..., 1)
-    pmf = torch.exp(n * torch.log(rate) - rate - torch.lgamma(n + 1))             # (..., N)
+    pmf = torch.exp(torch.xlogy(n, rate) - rate - torch.lgamma(n + 1))           # (..., N); rate 0: all at n = 0
     pmf = pmf * (n < top.unsqueeze(-1) - 1)                                       # counts the cap leaves alone
     below = (pmf * (n + 1).clamp(min=lo)).sum(-1)
     return below + top * (1 - pmf.sum(-1))
@@ -92,7 +92,8 @@ def _step_means(cfg: DepthConfig, tops: torch.Tensor, means: torch.Tensor) -> to
         span = tops - cfg.min
         return cfg.min + (span if q == 1 else q * (1 - q**span) / (1 - q))
     # lognormal_poisson: the Poisson's capped mean integrated over tau ~ LogNormal(ln mean - sigma^2/2, sigma)
-    # by Gauss-Hermite quadrature in log tau (the integrand is smooth there; 64 nodes reach float64 rounding)
+    # by Gauss-Hermite quadrature in log tau (the integrand is smooth there; with 64 nodes it agrees with a fine
+    # trapezoid to 1e-9 in tests/test_depth.py)
     x, w = (torch.from_numpy(a) for a in np.polynomial.hermite.hermgauss(64))
     mu = torch.log(means) - cfg.sigma**2 / 2                                      # (S,)
     tau = torch.exp(mu[:, None] + cfg.sigma * math.sqrt(2) * x[None, :])          # (S, 64)
